@@ -1,0 +1,131 @@
+"""``tqstream-launch`` as a user runs it: address line, readiness, clean shutdown, no orphans."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import tqstream
+
+
+def _launch(*args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tqstream.launch.processes", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    m = re.search(r"tcp://[\d.]+:\d+", line)
+    assert m, f"no address in {line!r}"
+    return proc, m.group(0)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split()[2] != "Z"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_help_documents_every_flag() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tqstream.launch.processes", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for flag in (
+        "--storage-units",
+        "--host",
+        "--port",
+        "--lease-timeout",
+        "--put-timeout",
+        "--max-message-bytes",
+    ):
+        assert flag in out
+    assert "Seconds a leased batch stays leased" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_launch_serves_and_shuts_down_cleanly(sig: signal.Signals) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, address = _launch("--storage-units", "2", "--port", str(port))
+    try:
+        assert address == f"tcp://127.0.0.1:{port}"
+        children = _children(proc.pid)
+        assert len(children) == 3
+        with tqstream.connect(address) as client:
+            client.put({"x": torch.arange(4)}, "p")
+            assert client.get("p", "x", 4, "t").data["x"].tolist() == [0, 1, 2, 3]
+            assert len(client.stats().units) == 2
+        proc.send_signal(sig)
+        assert proc.wait(15) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(c) for c in children), "orphan processes"
+        assert _port_free(port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_children_exit_when_launcher_is_killed() -> None:
+    proc, _ = _launch("--storage-units", "1")
+    children = _children(proc.pid)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(c) for c in children)
+
+
+def test_launcher_exits_when_a_child_dies() -> None:
+    proc, _ = _launch("--storage-units", "1")
+    try:
+        children = _children(proc.pid)
+        os.kill(children[-1], signal.SIGKILL)
+        assert proc.wait(15) == 1
+        assert "exited" in proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bad_flag_value() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tqstream.launch.processes", "--storage-units", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1 and "--storage-units must be at least 1" in out.stderr

@@ -1,0 +1,462 @@
+"""The public client: every operation as a coroutine ``async_x`` and a blocking twin ``x``.
+
+Encoding a batch into columns and decoding fetched columns into a TensorDict run in the caller's
+thread; only socket I/O runs on the client's IO thread, so a large put or get does not stall other
+requests in flight on the same client. The client is thread-safe and may be used from several
+threads and event loops at once. After ``os.fork`` a client cannot be used in the child (its IO
+thread does not exist there): create a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tensordict import TensorDict
+
+from tqstream.client.core import ClientCore
+from tqstream.client.loop import LoopThread
+from tqstream.config import ClientConfig, from_env
+from tqstream.errors import BatchShapeError, ClosedError, InvalidRequestError
+from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
+from tqstream.protocol.messages import GetMeta
+from tqstream.types import BatchMeta, Stats
+
+__all__ = ["Batch", "Client", "connect"]
+
+PadValues = float | Mapping[str, float]
+
+
+@dataclasses.dataclass
+class Batch:
+    """A batch read by ``get``/``get_by_keys``: ``meta`` (rows, lease) and ``data`` (TensorDict)."""
+
+    meta: BatchMeta
+    data: TensorDict
+    client: Client = dataclasses.field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def ack(self) -> int:
+        return self.client.ack(self.meta)
+
+    async def async_ack(self) -> int:
+        return await self.client.async_ack(self.meta)
+
+    def release(self) -> int:
+        return self.client.release(self.meta)
+
+    async def async_release(self) -> int:
+        return await self.client.async_release(self.meta)
+
+
+class Client:
+    """A connection to a tqstream controller and its storage units.
+
+    Create one with :func:`tqstream.init` (embedded controller and storage unit) or
+    :func:`tqstream.connect` (a cluster started by ``tqstream-launch``).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        config: ClientConfig | None = None,
+        *,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.address = address
+        self.config = config or from_env(ClientConfig)
+        self._pid = os.getpid()
+        self._io = LoopThread(name="tqstream-client-io")
+        self._closed = False
+        self._on_close = on_close
+        try:
+            self._core = self._io.run(ClientCore.open(address, self.config))
+        except BaseException:
+            self._io.stop()
+            if on_close is not None:
+                on_close()
+            raise
+        self._finalizer = weakref.finalize(self, _finalize, self._io, self._core, on_close)
+
+    # --- lifecycle ---
+    def close(self) -> None:
+        """Close the sockets (and, for an embedded client, stop its servers). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        _finalize(self._io, self._core, self._on_close)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError(
+                "this tqstream client is closed; create a new one with "
+                "tqstream.init() or tqstream.connect()"
+            )
+        if os.getpid() != self._pid:
+            raise ClosedError(
+                "this tqstream client was created in another process (before a "
+                "fork); create a new client in this process"
+            )
+
+    def _sync(self, coro_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        return self._io.run(coro_fn(*args, **kwargs))
+
+    async def _async(self, coro_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        return await self._io.arun(coro_fn(*args, **kwargs))
+
+    # --- put ---
+    def _encode_put(
+        self, data: Any, keys: Sequence[str] | None, groups: Sequence[Any] | None
+    ) -> tuple[int, dict[str, Column], Any, Any]:
+        n, columns = columns_from_data(data)
+        for name, seq in (("keys", keys), ("groups", groups)):
+            if seq is not None and len(seq) != n:
+                raise BatchShapeError(
+                    f"{name}= has {len(seq)} entries but the data has {n} rows", rows=n
+                )
+        if keys is not None:
+            bad = [k for k in keys if not isinstance(k, str)]
+            if bad:
+                raise InvalidRequestError(
+                    f"keys must be strings, got {type(bad[0]).__name__} {bad[0]!r}"
+                )
+            keys = list(keys)
+        if groups is not None:
+            groups = [None if g is None else str(g) for g in groups]
+        return n, columns, keys, groups
+
+    def put(
+        self,
+        data: Any,
+        partition: str,
+        *,
+        keys: Sequence[str] | None = None,
+        groups: Sequence[Any] | None = None,
+        group_size: int | None = None,
+        version: int | None = None,
+    ) -> BatchMeta:
+        """Store ``data`` (TensorDict or dict of tensors / lists, B rows) as B new rows.
+
+        ``keys``: unique per partition, generated when absent. ``groups``: a group id per row
+        (e.g. the GRPO prompt uid); a group's size is ``group_size`` or, when absent, its row count
+        in this put. ``version``: the policy version the rows were generated under. The rows
+        become visible to readers all at once, when every byte is stored.
+        """
+        n, columns, keys, groups = self._encode_put(data, keys, groups)
+        return self._sync(
+            self._core.put,
+            partition,
+            n,
+            columns,
+            keys=keys,
+            groups=groups,
+            group_size=group_size,
+            version=version,
+        )
+
+    async def async_put(
+        self,
+        data: Any,
+        partition: str,
+        *,
+        keys: Sequence[str] | None = None,
+        groups: Sequence[Any] | None = None,
+        group_size: int | None = None,
+        version: int | None = None,
+    ) -> BatchMeta:
+        n, columns, keys, groups = self._encode_put(data, keys, groups)
+        return await self._async(
+            self._core.put,
+            partition,
+            n,
+            columns,
+            keys=keys,
+            groups=groups,
+            group_size=group_size,
+            version=version,
+        )
+
+    @staticmethod
+    def _encode_fields(meta: BatchMeta, data: Any) -> dict[str, Column]:
+        n, columns = columns_from_data(data)
+        if n != len(meta):
+            raise BatchShapeError(
+                f"put_fields got {n} rows of data for a batch of {len(meta)} "
+                f"rows; pass one row per row of the BatchMeta, in its order",
+                rows=n,
+                expected=len(meta),
+            )
+        return columns
+
+    def put_fields(self, meta: BatchMeta, data: Any) -> None:
+        """Add columns (e.g. ``advantages``) to existing rows, in ``meta``'s row order."""
+        self._sync(self._core.put_fields, meta, self._encode_fields(meta, data))
+
+    async def async_put_fields(self, meta: BatchMeta, data: Any) -> None:
+        await self._async(self._core.put_fields, meta, self._encode_fields(meta, data))
+
+    def create_partition(self, partition: str, fields: Sequence[str] = ()) -> None:
+        """Create ``partition`` and declare ``fields``, so gets wait for them instead of failing."""
+        self._sync(self._core.create_partition, partition, list(fields))
+
+    async def async_create_partition(self, partition: str, fields: Sequence[str] = ()) -> None:
+        await self._async(self._core.create_partition, partition, list(fields))
+
+    # --- get ---
+    @staticmethod
+    def _get_request(
+        partition: str,
+        fields: Sequence[str] | str,
+        batch_size: int,
+        task: str,
+        whole_groups: bool,
+        lease_timeout: float | None,
+        timeout: float | None,
+    ) -> GetMeta:
+        if isinstance(fields, str):
+            fields = [fields]
+        return GetMeta(
+            rid=0,
+            partition=partition,
+            fields=list(fields),
+            batch_size=batch_size,
+            task=task,
+            whole_groups=whole_groups,
+            lease_timeout=lease_timeout,
+            timeout=timeout,
+        )
+
+    def get_meta(
+        self,
+        partition: str,
+        fields: Sequence[str] | str,
+        batch_size: int,
+        task: str,
+        *,
+        whole_groups: bool = False,
+        lease_timeout: float | None = None,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Lease the ``batch_size`` oldest rows that have ``fields`` and ``task`` has not consumed.
+
+        Waits (without polling) until enough rows are ready, or raises ``RequestTimeoutError``
+        after ``timeout`` seconds (None: wait forever; 0: do not wait) saying what was missing.
+        The lease lasts ``lease_timeout`` seconds (controller default when None): ``ack`` it to
+        consume the rows, ``release`` it to give them back; an expired lease gives them back.
+        """
+        req = self._get_request(
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout
+        )
+        return self._sync(self._core.get_meta, req)
+
+    async def async_get_meta(
+        self,
+        partition: str,
+        fields: Sequence[str] | str,
+        batch_size: int,
+        task: str,
+        *,
+        whole_groups: bool = False,
+        lease_timeout: float | None = None,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        req = self._get_request(
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout
+        )
+        return await self._async(self._core.get_meta, req)
+
+    def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        padded: bool = False,
+        pad_values: PadValues = 0,
+    ) -> TensorDict:
+        """The rows of ``meta`` as a TensorDict: dense fields dense, ragged fields as jagged
+        nested tensors (or padded, with ``<field>_lengths``), object fields as NonTensorStack."""
+        names = list(meta.fields if fields is None else fields)
+        columns = self._sync(self._core.fetch, meta, names)
+        return to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
+
+    async def async_get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        padded: bool = False,
+        pad_values: PadValues = 0,
+    ) -> TensorDict:
+        names = list(meta.fields if fields is None else fields)
+        columns = await self._async(self._core.fetch, meta, names)
+        return to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
+
+    def get(
+        self,
+        partition: str,
+        fields: Sequence[str] | str,
+        batch_size: int,
+        task: str,
+        *,
+        whole_groups: bool = False,
+        lease_timeout: float | None = None,
+        timeout: float | None = None,
+        padded: bool = False,
+        pad_values: PadValues = 0,
+    ) -> Batch:
+        """``get_meta`` then ``get_data``; if fetching fails the lease is released."""
+        meta = self.get_meta(
+            partition,
+            fields,
+            batch_size,
+            task,
+            whole_groups=whole_groups,
+            lease_timeout=lease_timeout,
+            timeout=timeout,
+        )
+        try:
+            data = self.get_data(meta, padded=padded, pad_values=pad_values)
+        except BaseException:
+            self._release_quietly(meta)
+            raise
+        return Batch(meta, data, self)
+
+    async def async_get(
+        self,
+        partition: str,
+        fields: Sequence[str] | str,
+        batch_size: int,
+        task: str,
+        *,
+        whole_groups: bool = False,
+        lease_timeout: float | None = None,
+        timeout: float | None = None,
+        padded: bool = False,
+        pad_values: PadValues = 0,
+    ) -> Batch:
+        meta = await self.async_get_meta(
+            partition,
+            fields,
+            batch_size,
+            task,
+            whole_groups=whole_groups,
+            lease_timeout=lease_timeout,
+            timeout=timeout,
+        )
+        try:
+            data = await self.async_get_data(meta, padded=padded, pad_values=pad_values)
+        except BaseException:
+            self._release_quietly(meta)
+            raise
+        return Batch(meta, data, self)
+
+    def _release_quietly(self, meta: BatchMeta) -> None:
+        """Best effort: if it fails, the lease expires and the rows come back anyway."""
+        if not self._closed:
+            self._io.submit(self._core.ack(meta, release=True))
+
+    def get_by_keys(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        *,
+        padded: bool = False,
+        pad_values: PadValues = 0,
+    ) -> Batch:
+        """Read rows by key without leasing or consuming them (fields: all written when None)."""
+        meta = self._sync(
+            self._core.get_by_keys, partition, list(keys), None if fields is None else list(fields)
+        )
+        return Batch(meta, self.get_data(meta, padded=padded, pad_values=pad_values), self)
+
+    async def async_get_by_keys(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        *,
+        padded: bool = False,
+        pad_values: PadValues = 0,
+    ) -> Batch:
+        meta = await self._async(
+            self._core.get_by_keys, partition, list(keys), None if fields is None else list(fields)
+        )
+        data = await self.async_get_data(meta, padded=padded, pad_values=pad_values)
+        return Batch(meta, data, self)
+
+    def list_keys(self, partition: str) -> list[str]:
+        """Keys of the partition's visible rows, in put order."""
+        return self._sync(self._core.list_keys, partition)
+
+    async def async_list_keys(self, partition: str) -> list[str]:
+        return await self._async(self._core.list_keys, partition)
+
+    # --- consumption ---
+    def ack(self, meta: BatchMeta) -> int:
+        """Consume the leased rows of ``meta`` for its task; returns how many were newly acked."""
+        return self._sync(self._core.ack, meta)
+
+    async def async_ack(self, meta: BatchMeta) -> int:
+        return await self._async(self._core.ack, meta)
+
+    def release(self, meta: BatchMeta) -> int:
+        """Give the leased rows back unconsumed; they keep their place in the order."""
+        return self._sync(self._core.ack, meta, True)
+
+    async def async_release(self, meta: BatchMeta) -> int:
+        return await self._async(self._core.ack, meta, True)
+
+    def clear_samples(self, meta: BatchMeta) -> None:
+        """Delete the rows of ``meta`` for every task and free their storage."""
+        self._sync(self._core.clear_samples, meta)
+
+    async def async_clear_samples(self, meta: BatchMeta) -> None:
+        await self._async(self._core.clear_samples, meta)
+
+    def clear_partition(self, partition: str) -> None:
+        """Delete the partition, its rows and bytes; waiting gets raise PartitionClearedError."""
+        self._sync(self._core.clear_partition, partition)
+
+    async def async_clear_partition(self, partition: str) -> None:
+        await self._async(self._core.clear_partition, partition)
+
+    def stats(self, partition: str | None = None) -> Stats:
+        """Rows, fields and per-task state per partition; bytes held per storage unit."""
+        return self._sync(self._core.stats, partition)
+
+    async def async_stats(self, partition: str | None = None) -> Stats:
+        return await self._async(self._core.stats, partition)
+
+
+def _finalize(io: LoopThread, core: ClientCore, on_close: Callable[[], None] | None) -> None:
+    try:
+        if io.loop.is_running():
+            io.submit(core.close()).result(timeout=10)
+    finally:
+        io.stop()
+        if on_close is not None:
+            on_close()
+
+
+def connect(address: str, config: ClientConfig | None = None) -> Client:
+    """Connect to a running controller (``tcp://HOST:PORT``, printed by ``tqstream-launch``)."""
+    return Client(address, config)

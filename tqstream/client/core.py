@@ -1,0 +1,303 @@
+"""The client's protocol logic, running on the client's IO loop (see ``client.py``).
+
+One connection to the controller and one per storage unit, opened lazily and kept for the client's
+life. A put is: ``PreparePut`` at the controller (validation, keys, placement) → one ``Store`` per
+storage unit, concurrently, each carrying one contiguous chunk per field → ``CommitPut``. If
+anything fails after the prepare — a unit error, a timeout, a cancelled caller — the client sends
+``AbortPut`` so the controller rolls the rows back and orders the units to drop what arrived; if
+the client itself dies, the controller's ``put_timeout`` does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import zmq.asyncio
+
+from tqstream.config import ClientConfig
+from tqstream.errors import InternalError, InvalidRequestError, TQStreamError
+from tqstream.protocol.codec import Column, column_from_wire, column_to_wire
+from tqstream.protocol.messages import (
+    PROTOCOL_VERSION,
+    AbortPut,
+    Ack,
+    ClearPartition,
+    ClearSamples,
+    ColumnRef,
+    Columns,
+    CommitPut,
+    CreatePartition,
+    Fetch,
+    FieldsPlan,
+    GetByKeys,
+    GetMeta,
+    GetStats,
+    Hello,
+    KeysReply,
+    ListKeys,
+    MetaReply,
+    Ok,
+    PrepareFields,
+    PreparePut,
+    PutPlan,
+    Release,
+    StatsReply,
+    Store,
+    Welcome,
+)
+from tqstream.protocol.transport import Connection
+from tqstream.types import BatchMeta, Stats
+
+GET_GRACE = 10.0
+"""Extra seconds a client waits for a parked get beyond its server-side timeout."""
+
+
+def _store_message(
+    partition: str, chunk: int, row_ids: list[int], columns: Mapping[str, Column]
+) -> tuple[Store, list[Any]]:
+    refs: list[ColumnRef] = []
+    buffers: list[Any] = []
+    for name, col in columns.items():
+        ref, bufs = column_to_wire(name, col, 1 + len(buffers))
+        refs.append(ref)
+        buffers.extend(bufs)
+    return Store(rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs), buffers
+
+
+class ClientCore:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, controller: Connection, config: ClientConfig
+    ) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.controller = controller
+        self.unit_addresses: list[str] = list(controller.welcome.units)
+        self._units: dict[int, asyncio.Task[Connection]] = {}
+
+    @classmethod
+    async def open(cls, address: str, config: ClientConfig) -> ClientCore:
+        ctx = zmq.asyncio.Context()
+        try:
+            conn = await cls._connect(ctx, address, config)
+        except BaseException:
+            ctx.destroy(linger=0)
+            raise
+        return cls(ctx, conn, config)
+
+    @staticmethod
+    async def _connect(ctx: zmq.asyncio.Context, address: str, config: ClientConfig) -> Connection:
+        return await Connection.open(
+            ctx,
+            address,
+            connect_timeout=config.connect_timeout,
+            heartbeat_interval=config.heartbeat_interval,
+            max_message_bytes=config.max_message_bytes,
+        )
+
+    async def close(self) -> None:
+        for task in self._units.values():
+            if task.done() and not task.cancelled() and task.exception() is None:
+                await task.result().close()
+            else:
+                task.cancel()
+        self._units.clear()
+        await self.controller.close()
+        self.ctx.destroy(linger=0)
+
+    async def _unit(self, index: int) -> Connection:
+        task = self._units.get(index)
+        if task is None or (task.done() and task.exception() is not None):
+            task = self._units[index] = asyncio.get_running_loop().create_task(
+                self._open_unit(index), name=f"tqstream-client-open-unit-{index}"
+            )
+        return await asyncio.shield(task)
+
+    async def _open_unit(self, index: int) -> Connection:
+        if index >= len(self.unit_addresses):  # a unit that registered after we connected
+            welcome = await self._ask(Hello(rid=0, protocol=PROTOCOL_VERSION), Welcome)
+            self.unit_addresses = list(welcome.units)
+        if index >= len(self.unit_addresses):
+            raise InternalError(
+                f"the controller placed rows on storage unit {index}, but knows "
+                f"only {len(self.unit_addresses)} units"
+            )
+        return await self._connect(self.ctx, self.unit_addresses[index], self.config)
+
+    async def _ask(
+        self,
+        msg: Any,
+        expect: type,
+        *,
+        conn: Connection | None = None,
+        buffers: Sequence[Any] = (),
+        timeout: float | None = -1.0,
+    ) -> Any:
+        if timeout == -1.0:
+            timeout = self.config.request_timeout
+        reply, frames = await (conn or self.controller).request(msg, buffers, timeout=timeout)
+        if not isinstance(reply, expect):
+            raise InternalError(
+                f"expected {expect.__name__} in reply to {type(msg).__name__}, "
+                f"got {type(reply).__name__}"
+            )
+        if expect is Columns:
+            return reply, frames
+        return reply
+
+    # --- writes ---
+    async def put(
+        self,
+        partition: str,
+        n_rows: int,
+        columns: dict[str, Column],
+        *,
+        keys: list[str] | None,
+        groups: list[str | None] | None,
+        group_size: int | None,
+        version: int | None,
+    ) -> BatchMeta:
+        plan: PutPlan = await self._ask(
+            PreparePut(
+                rid=0,
+                partition=partition,
+                n_rows=n_rows,
+                schemas={k: c.schema for k, c in columns.items()},
+                nbytes=sum(c.nbytes for c in columns.values()),
+                keys=keys,
+                groups=groups,
+                group_size=group_size,
+                version=version,
+            ),
+            PutPlan,
+        )
+
+        async def store() -> BatchMeta:
+            jobs = []
+            for seg in plan.segments:
+                part = {k: c.slice(seg.start, seg.stop) for k, c in columns.items()}
+                msg, bufs = _store_message(
+                    partition, seg.chunk, plan.row_ids[seg.start : seg.stop], part
+                )
+                jobs.append(self._ask(msg, Ok, conn=await self._unit(seg.unit), buffers=bufs))
+            await asyncio.gather(*jobs)
+            reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
+            return reply.meta
+
+        return await self._committed(plan.put_id, store())
+
+    async def put_fields(self, meta: BatchMeta, columns: dict[str, Column]) -> None:
+        plan: FieldsPlan = await self._ask(
+            PrepareFields(
+                rid=0,
+                partition=meta.partition,
+                row_ids=meta.row_ids,
+                schemas={k: c.schema for k, c in columns.items()},
+                nbytes=sum(c.nbytes for c in columns.values()),
+            ),
+            FieldsPlan,
+        )
+
+        async def store() -> None:
+            jobs = []
+            for seg, pos in zip(plan.segments, plan.positions, strict=True):
+                if pos == list(range(pos[0], pos[0] + len(pos))):
+                    part = {k: c.slice(pos[0], pos[0] + len(pos)) for k, c in columns.items()}
+                else:
+                    index = torch.tensor(pos, dtype=torch.int64)
+                    part = {k: c.take(index) for k, c in columns.items()}
+                rows = [meta.row_ids[i] for i in pos]
+                msg, bufs = _store_message(meta.partition, seg.chunk, rows, part)
+                jobs.append(self._ask(msg, Ok, conn=await self._unit(seg.unit), buffers=bufs))
+            await asyncio.gather(*jobs)
+            await self._ask(CommitPut(rid=0, put_id=plan.put_id), Ok)
+
+        await self._committed(plan.put_id, store())
+
+    async def _committed(self, put_id: int, work: Any) -> Any:
+        """Run the store+commit phase; on any failure roll the put back before re-raising."""
+        try:
+            return await work
+        except BaseException:
+            abort = asyncio.ensure_future(
+                self._ask(AbortPut(rid=0, put_id=put_id), Ok, timeout=self.config.connect_timeout)
+            )
+            # if the abort fails too, the controller's put_timeout rolls the put back instead
+            with contextlib.suppress(TQStreamError, asyncio.CancelledError):
+                await asyncio.shield(abort)
+            raise
+
+    # --- reads ---
+    async def get_meta(self, req: GetMeta) -> BatchMeta:
+        timeout = None if req.timeout is None else req.timeout + GET_GRACE
+        reply = await self._ask(req, MetaReply, timeout=timeout)
+        return reply.meta
+
+    async def fetch(self, meta: BatchMeta, fields: list[str]) -> dict[str, Column]:
+        """The rows' columns, in batch order; rows held by several units are fetched in parallel."""
+        if not meta.row_ids or not fields:
+            return {}
+        by_unit: dict[int, list[int]] = {}
+        for i, u in enumerate(meta.units):
+            by_unit.setdefault(u, []).append(i)
+
+        async def one(unit: int, positions: list[int]) -> dict[str, Column]:
+            msg = Fetch(
+                rid=0,
+                partition=meta.partition,
+                row_ids=[meta.row_ids[i] for i in positions],
+                fields=fields,
+            )
+            reply, frames = await self._ask(msg, Columns, conn=await self._unit(unit))
+            return {ref.name: column_from_wire(ref, frames) for ref in reply.columns}
+
+        parts = await asyncio.gather(*(one(u, pos) for u, pos in by_unit.items()))
+        if len(parts) == 1:
+            return parts[0]
+        order = [i for pos in by_unit.values() for i in pos]
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
+        return {f: Column.concat([p[f] for p in parts]).take(inverse) for f in fields}
+
+    async def get_by_keys(
+        self, partition: str, keys: list[str], fields: list[str] | None
+    ) -> BatchMeta:
+        reply = await self._ask(
+            GetByKeys(rid=0, partition=partition, keys=keys, fields=fields), MetaReply
+        )
+        return reply.meta
+
+    async def list_keys(self, partition: str) -> list[str]:
+        return (await self._ask(ListKeys(rid=0, partition=partition), KeysReply)).keys
+
+    # --- consumption and lifecycle ---
+    async def ack(self, meta: BatchMeta, release: bool = False) -> int:
+        if meta.lease_id is None or meta.task is None:
+            raise InvalidRequestError(
+                "this BatchMeta holds no lease (it came from put or get_by_keys); only batches "
+                "from get_meta/get can be acked or released"
+            )
+        cls = Release if release else Ack
+        msg = cls(
+            rid=0,
+            partition=meta.partition,
+            task=meta.task,
+            lease_id=meta.lease_id,
+            row_ids=meta.row_ids,
+        )
+        return (await self._ask(msg, Ok)).count
+
+    async def clear_samples(self, meta: BatchMeta) -> None:
+        await self._ask(ClearSamples(rid=0, partition=meta.partition, row_ids=meta.row_ids), Ok)
+
+    async def clear_partition(self, partition: str) -> None:
+        await self._ask(ClearPartition(rid=0, partition=partition), Ok)
+
+    async def create_partition(self, partition: str, fields: list[str]) -> None:
+        await self._ask(CreatePartition(rid=0, partition=partition, fields=fields), Ok)
+
+    async def stats(self, partition: str | None) -> Stats:
+        return (await self._ask(GetStats(rid=0, partition=partition), StatsReply)).stats

@@ -1,0 +1,76 @@
+"""Configuration: one frozen dataclass per component, every field with a default and a docstring.
+
+Environment variables are read here and nowhere else (``TQSTREAM_<FIELD>`` in upper case, e.g.
+``TQSTREAM_LEASE_TIMEOUT=60``); explicit arguments win over the environment. The ``tqstream-launch``
+flags are generated from these dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, TypeVar
+
+__all__ = ["ClientConfig", "ControllerConfig", "StorageConfig", "from_env"]
+
+GiB = 1 << 30
+DEFAULT_MAX_MESSAGE_BYTES = 2 * GiB
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback by default."""
+    port: int = 0
+    """TCP port; 0 picks a free one."""
+    lease_timeout: float = 300.0
+    """Seconds a leased batch stays leased without ack before its rows become available again."""
+    put_timeout: float = 60.0
+    """Seconds a prepared put may stay uncommitted before it is aborted and its storage freed."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest message accepted; larger ones get a MessageTooLargeError reply."""
+    storage_timeout: float = 30.0
+    """Seconds to wait for a storage unit to answer a drop or stats request."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageConfig:
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback by default."""
+    port: int = 0
+    """TCP port; 0 picks a free one."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest message accepted; larger ones get a MessageTooLargeError reply."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    connect_timeout: float = 10.0
+    """Seconds to wait for a server's handshake before raising ConnectError."""
+    request_timeout: float = 120.0
+    """Seconds to wait for a reply to a request that does not park (everything but get_meta)."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest message sent; the smaller of this and the server's limit applies."""
+    heartbeat_interval: float = 1.0
+    """Seconds between ZMQ heartbeats; a peer silent for 3 intervals counts as lost."""
+
+
+_C = TypeVar("_C")
+
+
+def from_env(cls: type[_C], **overrides: Any) -> _C:
+    """Build ``cls`` from defaults, then ``TQSTREAM_*`` variables, then explicit ``overrides``."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        raw = os.environ.get(f"TQSTREAM_{f.name.upper()}")
+        if raw is not None:
+            kind: Any = type(f.default)
+            try:
+                values[f.name] = kind(raw)
+            except ValueError as exc:
+                raise ValueError(
+                    f"environment variable TQSTREAM_{f.name.upper()}={raw!r} is not a valid "
+                    f"{kind.__name__}"
+                ) from exc
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**values)

@@ -1,0 +1,422 @@
+"""One partition's metadata: schemas, the production matrix, groups and per-task consumption.
+
+Pure state, no I/O. Rows are created *pending* by a prepared put (keys and group slots reserved,
+invisible to readers) and become visible at commit; ``written`` is the row's bitmask of committed
+fields (the production matrix), ``pending`` the bits of an in-flight ``put_fields``.
+
+Per task a committed row is *available* (in no map), *leased* (``TaskState.leased``) or *acked*
+(``TaskState.acked``). Every transition goes through :meth:`Partition.lease`, :meth:`ack`,
+:meth:`release`, :meth:`commit_rows`, :meth:`commit_fields` and :meth:`remove_rows`, which keep
+every view (see ``views.py``) exact, so selection never rescans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from tqstream.controller.views import GroupKey, GroupView, ReadyView
+from tqstream.errors import (
+    DuplicateKeyError,
+    GroupError,
+    SchemaError,
+    UnknownFieldError,
+)
+from tqstream.types import FieldSchema, TaskStats
+
+
+class Row:
+    __slots__ = (
+        "committed",
+        "group",
+        "id",
+        "key",
+        "nbytes",
+        "pending",
+        "ready_seq",
+        "unit",
+        "version_end",
+        "version_start",
+        "written",
+    )
+
+    def __init__(
+        self, row_id: int, key: str, group: str | None, unit: int, nbytes: int, version: int | None
+    ) -> None:
+        self.id = row_id
+        self.key = key
+        self.group = group
+        self.unit = unit
+        self.nbytes = nbytes
+        self.version_start = version
+        self.version_end = version
+        self.written = 0
+        self.pending = 0
+        self.committed = False
+        self.ready_seq = 0
+
+
+class Group:
+    __slots__ = ("members", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.members: list[int] = []
+
+
+class TaskState:
+    __slots__ = ("acked", "leased")
+
+    def __init__(self) -> None:
+        self.leased: dict[int, int] = {}  # row -> lease id
+        self.acked: set[int] = set()
+
+
+class Partition:
+    def __init__(self, name: str, key_prefix: str) -> None:
+        self.name = name
+        self.key_prefix = key_prefix
+        self.schemas: dict[str, FieldSchema] = {}
+        self.bits: dict[str, int] = {}  # field -> bit in Row.written
+        self.written_count: dict[str, int] = {}  # field -> committed rows having it
+        self.rows: dict[int, Row] = {}
+        self.keys: dict[str, int] = {}
+        self.groups: dict[str, Group] = {}
+        self.tasks: dict[str, TaskState] = {}
+        self.views: dict[tuple[str, int], ReadyView] = {}
+        self.group_views: dict[tuple[str, int], GroupView] = {}
+        self.next_row = 0
+        self.seq = 0
+        self.committed = 0
+
+    # --- schemas and fields ---
+    def declare(self, fields: Iterable[str]) -> None:
+        for f in fields:
+            self._bit(f)
+
+    def _bit(self, field: str) -> int:
+        bit = self.bits.get(field)
+        if bit is None:
+            bit = self.bits[field] = 1 << len(self.bits)
+        return bit
+
+    def mask_of(self, fields: Sequence[str]) -> int:
+        """Bitmask of ``fields``; a field never written nor declared is an error (likely a typo)."""
+        mask = 0
+        for f in fields:
+            bit = self.bits.get(f)
+            if bit is None:
+                known = ", ".join(repr(k) for k in sorted(self.bits)) or "none"
+                raise UnknownFieldError(
+                    f"field {f!r} is not in partition {self.name!r} (known fields: {known}); "
+                    f"put it first or declare it with create_partition({self.name!r}, "
+                    f"fields=[...]) so requests wait for it",
+                    field=f,
+                    partition=self.name,
+                )
+            mask |= bit
+        return mask
+
+    def check_schemas(self, offered: dict[str, FieldSchema]) -> int:
+        """Validate ``offered`` against fixed schemas, fix new ones; returns the fields' mask."""
+        for name, schema in offered.items():
+            fixed = self.schemas.get(name)
+            if fixed is not None and fixed != schema:
+                raise SchemaError(
+                    f"field {name!r} of partition {self.name!r} is stored as {fixed.describe()} "
+                    f"but this write offers {schema.describe()}; convert the data to the stored "
+                    f"schema or write it under a new field name",
+                    field=name,
+                    stored=fixed.describe(),
+                    offered=schema.describe(),
+                )
+        mask = 0
+        for name, schema in offered.items():
+            self.schemas.setdefault(name, schema)
+            mask |= self._bit(name)
+        return mask
+
+    def forget_unused_schemas(self, fields: Iterable[str], still_pending: set[str]) -> None:
+        """After an aborted write: a schema fixed by it alone was never really written."""
+        for f in fields:
+            if self.written_count.get(f, 0) == 0 and f not in still_pending:
+                self.schemas.pop(f, None)
+
+    # --- rows ---
+    def reserve_rows(
+        self,
+        n: int,
+        keys: Sequence[str] | None,
+        groups: Sequence[str | None] | None,
+        group_size: int | None,
+        version: int | None,
+    ) -> list[Row]:
+        """Create ``n`` pending rows (validated atomically: nothing changes on error)."""
+        if keys is not None:
+            seen: set[str] = set()
+            dup = []
+            for k in keys:
+                if k in self.keys or k in seen:
+                    dup.append(k)
+                seen.add(k)
+            if dup:
+                shown = ", ".join(repr(k) for k in dup[:5]) + (" ..." if len(dup) > 5 else "")
+                raise DuplicateKeyError(
+                    f"{len(dup)} key(s) already exist in partition {self.name!r} or repeat within "
+                    f"the put: {shown}; keys must be unique per partition (omit keys to have them "
+                    f"generated)",
+                    partition=self.name,
+                    count=len(dup),
+                )
+        counts: dict[str, int] = {}
+        if groups is not None:
+            for g in groups:
+                if g is not None:
+                    counts[g] = counts.get(g, 0) + 1
+            self._check_groups(counts, group_size)
+        rows = []
+        for i in range(n):
+            rid = self.next_row + i
+            key = keys[i] if keys is not None else f"{self.key_prefix}{rid}"
+            group = groups[i] if groups is not None else None
+            rows.append(Row(rid, key, group, -1, 0, version))
+        self.next_row += n
+        for r in rows:
+            self.rows[r.id] = r
+            self.keys[r.key] = r.id
+            if r.group is not None:
+                grp = self.groups.get(r.group)
+                if grp is None:
+                    grp = self.groups[r.group] = Group(group_size or counts[r.group])
+                grp.members.append(r.id)
+        return rows
+
+    def _check_groups(self, counts: dict[str, int], group_size: int | None) -> None:
+        for g, c in counts.items():
+            existing = self.groups.get(g)
+            size = existing.size if existing is not None else (group_size or c)
+            if group_size is not None and group_size != size:
+                raise GroupError(
+                    f"group {g!r} of partition {self.name!r} was declared with {size} rows but "
+                    f"this put declares group_size={group_size}",
+                    group=g,
+                )
+            have = len(existing.members) if existing is not None else 0
+            if have + c > size:
+                raise GroupError(
+                    f"group {g!r} of partition {self.name!r} holds {size} rows at most but this "
+                    f"put would make it {have + c}; pass group_size= at the group's first put to "
+                    f"build a group over several puts",
+                    group=g,
+                    size=size,
+                    rows=have + c,
+                )
+
+    def commit_rows(self, rows: Iterable[Row], mask: int) -> None:
+        """Make pending rows visible with the fields of ``mask`` written."""
+        for r in rows:
+            r.committed = True
+            self.committed += 1
+            self._write(r, mask)
+
+    def commit_fields(self, rows: Iterable[Row], mask: int) -> None:
+        for r in rows:
+            r.pending &= ~mask
+            self._write(r, mask)
+
+    def _write(self, r: Row, mask: int) -> None:
+        old = r.written
+        r.written = new = old | mask
+        self.seq += 1
+        r.ready_seq = self.seq
+        for name, bit in self.bits.items():
+            if mask & bit:
+                self.written_count[name] = self.written_count.get(name, 0) + 1
+        for (task, vmask), v in self.views.items():
+            if (old & vmask) != vmask and (new & vmask) == vmask and self._available(r, task):
+                v.add(r.id, r.ready_seq)
+        for (task, vmask), gv in self.group_views.items():
+            if (old & vmask) != vmask and (new & vmask) == vmask and self._available(r, task):
+                key, size = self._group_of(r)
+                gv.add(key, size, r.ready_seq)
+
+    def _available(self, r: Row, task: str) -> bool:
+        t = self.tasks.get(task)
+        return t is None or (r.id not in t.leased and r.id not in t.acked)
+
+    def _group_of(self, r: Row) -> tuple[GroupKey, int]:
+        if r.group is None:
+            return r.id, 1
+        return r.group, self.groups[r.group].size
+
+    def remove_rows(self, row_ids: Iterable[int]) -> list[Row]:
+        """Delete rows (clear or abort); returns the rows that existed."""
+        removed = []
+        for rid in row_ids:
+            r = self.rows.pop(rid, None)
+            if r is None:
+                continue
+            removed.append(r)
+            del self.keys[r.key]
+            if r.committed:
+                self.committed -= 1
+                for name, bit in self.bits.items():
+                    if r.written & bit:
+                        self.written_count[name] -= 1
+            for (task, vmask), gv in self.group_views.items():
+                if r.committed and (r.written & vmask) == vmask and self._available(r, task):
+                    key, size = self._group_of(r)
+                    gv.remove(key, size)
+            for v in self.views.values():
+                v.forget(rid)
+            for t in self.tasks.values():
+                t.leased.pop(rid, None)
+                t.acked.discard(rid)
+            if r.group is not None:
+                g = self.groups[r.group]
+                g.members.remove(rid)
+                if not g.members:
+                    del self.groups[r.group]
+                    for gv in self.group_views.values():
+                        gv.forget(r.group)
+            else:
+                for gv in self.group_views.values():
+                    gv.forget(rid)
+        return removed
+
+    # --- consumption ---
+    def task(self, name: str) -> TaskState:
+        t = self.tasks.get(name)
+        if t is None:
+            t = self.tasks[name] = TaskState()
+        return t
+
+    def lease(self, task: str, rows: Sequence[int], lease_id: int) -> None:
+        t = self.task(task)
+        for rid in rows:
+            self._unavailable(self.rows[rid], task)
+            t.leased[rid] = lease_id
+
+    def ack(self, task: str, rows: Iterable[int]) -> int:
+        t = self.task(task)
+        n = 0
+        for rid in rows:
+            if t.leased.pop(rid, None) is not None:
+                t.acked.add(rid)
+                n += 1
+        return n
+
+    def release(self, task: str, rows: Iterable[int]) -> int:
+        t = self.task(task)
+        n = 0
+        for rid in rows:
+            if t.leased.pop(rid, None) is not None:
+                self._now_available(self.rows[rid], task)
+                n += 1
+        return n
+
+    def _unavailable(self, r: Row, task: str) -> None:
+        for (vtask, _), v in self.views.items():
+            if vtask == task:
+                v.remove(r.id)
+        for (vtask, vmask), gv in self.group_views.items():
+            if vtask == task and (r.written & vmask) == vmask:
+                key, size = self._group_of(r)
+                gv.remove(key, size)
+
+    def _now_available(self, r: Row, task: str) -> None:
+        for (vtask, vmask), v in self.views.items():
+            if vtask == task and (r.written & vmask) == vmask:
+                v.add(r.id, r.ready_seq)
+        for (vtask, vmask), gv in self.group_views.items():
+            if vtask == task and (r.written & vmask) == vmask:
+                key, size = self._group_of(r)
+                gv.add(key, size, r.ready_seq)
+
+    # --- selection ---
+    def _ready_rows_for(self, task: str, mask: int) -> list[Row]:
+        """One-time scan used to build a new view, oldest completion first."""
+        rows = [
+            r
+            for r in self.rows.values()
+            if r.committed and (r.written & mask) == mask and self._available(r, task)
+        ]
+        rows.sort(key=lambda r: r.ready_seq)
+        return rows
+
+    def view(self, task: str, mask: int) -> ReadyView:
+        v = self.views.get((task, mask))
+        if v is None:
+            self.task(task)
+            v = self.views[(task, mask)] = ReadyView(task, mask)
+            for r in self._ready_rows_for(task, mask):
+                v.add(r.id, r.ready_seq)
+        return v
+
+    def group_view(self, task: str, mask: int) -> GroupView:
+        gv = self.group_views.get((task, mask))
+        if gv is None:
+            self.task(task)
+            gv = self.group_views[(task, mask)] = GroupView(task, mask)
+            for r in self._ready_rows_for(task, mask):
+                key, size = self._group_of(r)
+                gv.add(key, size, r.ready_seq)
+        return gv
+
+    def select(self, task: str, mask: int, batch_size: int, whole_groups: bool) -> list[int] | None:
+        """The oldest ``batch_size`` servable rows, or None when there are not enough yet."""
+        if not whole_groups:
+            v = self.view(task, mask)
+            return v.oldest(batch_size) if len(v) >= batch_size else None
+        gv = self.group_view(task, mask)
+        if gv.ready_rows < batch_size:
+            return None
+        picked: list[int] = []
+        for key in gv.oldest():
+            members = [key] if isinstance(key, int) else self.groups[key].members
+            if len(picked) + len(members) <= batch_size:
+                picked.extend(members)
+                if len(picked) == batch_size:
+                    return picked
+        return None
+
+    # --- reporting ---
+    def task_stats(self) -> dict[str, TaskStats]:
+        out = {}
+        for name, t in self.tasks.items():
+            out[name] = TaskStats(
+                available=self.committed - len(t.leased) - len(t.acked),
+                leased=len(t.leased),
+                acked=len(t.acked),
+            )
+        return out
+
+    def shortage(
+        self, task: str, fields: Sequence[str], batch_size: int, whole_groups: bool
+    ) -> str:
+        """Why a request for ``batch_size`` rows cannot be served (a scan: error path only)."""
+        t = self.tasks.get(task) or TaskState()
+        avail = [r for r in self.rows.values() if r.committed and self._available(r, task)]
+        missing: dict[str, int] = {}
+        ready = 0
+        for r in avail:
+            lacking = [f for f in fields if not r.written & self.bits[f]]
+            for f in lacking:
+                missing[f] = missing.get(f, 0) + 1
+            ready += not lacking
+        parts = [f"{ready} of {batch_size} rows ready"]
+        for f in fields:
+            if missing.get(f):
+                parts.append(f"field {f!r} not written for {missing[f]} available rows")
+        pending = sum(1 for r in self.rows.values() if not r.committed)
+        if pending:
+            parts.append(f"{pending} rows still being put")
+        if t.leased:
+            parts.append(f"{len(t.leased)} rows leased to {task!r} and not yet acked")
+        if t.acked:
+            parts.append(f"{len(t.acked)} rows already consumed by {task!r}")
+        if whole_groups:
+            gv = self.group_views.get((task, self.mask_of(fields)))
+            groups = len(gv.ready) if gv is not None else 0
+            rows = gv.ready_rows if gv is not None else 0
+            parts.append(f"whole_groups: {groups} complete groups ready ({rows} rows)")
+        return "; ".join(parts)

@@ -1,0 +1,240 @@
+"""The controller process's event loop: one ROUTER socket, the pure state, one timer.
+
+Requests are handled in arrival order on one asyncio loop; nothing blocks it. A ``get_meta`` that
+cannot be served is parked in the state and answered when a later event (commit, release, expiry)
+makes it servable, or when its deadline passes. Deadlines of every kind share one timer, re-armed
+after each request at the state's earliest deadline: the loop never sleeps or polls.
+
+The controller talks to every storage unit over a client connection of its own, to order drops
+(clear, abort, expired puts) and to collect byte counts for ``stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq.asyncio
+
+from tqstream.config import ClientConfig, ControllerConfig
+from tqstream.controller.state import ControllerState, Effects
+from tqstream.errors import InvalidRequestError, TQStreamError
+from tqstream.protocol.messages import (
+    AbortPut,
+    Ack,
+    ClearPartition,
+    ClearSamples,
+    CommitPut,
+    CreatePartition,
+    DropChunks,
+    DropPartition,
+    DropRows,
+    GetByKeys,
+    GetMeta,
+    GetStats,
+    GetUnitStats,
+    KeysReply,
+    ListKeys,
+    MetaReply,
+    Ok,
+    PrepareFields,
+    PreparePut,
+    Registered,
+    RegisterUnit,
+    Release,
+    StatsReply,
+    UnitStatsReply,
+)
+from tqstream.protocol.transport import Connection, Responder, Server
+from tqstream.types import Stats, UnitStats
+
+__all__ = ["ControllerService"]
+
+
+class ControllerService:
+    def __init__(self, config: ControllerConfig, ctx: zmq.asyncio.Context | None = None) -> None:
+        self.config = config
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.state = ControllerState(
+            lease_timeout=config.lease_timeout, put_timeout=config.put_timeout
+        )
+        self.server = Server(
+            self.ctx,
+            config.host,
+            config.port,
+            self.handle,
+            name="controller",
+            max_message_bytes=config.max_message_bytes,
+            units=lambda: list(self.state.units),
+        )
+        self.units: list[Connection] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.drop_failures = 0
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def serve(self) -> None:
+        try:
+            await self.server.serve()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        await self.server.close()
+        for conn in self.units:
+            await conn.close()
+        self.units.clear()
+
+    # --- dispatch ---
+    def handle(self, msg: Any, frames: list[Any], responder: Responder) -> Any:
+        now = asyncio.get_running_loop().time()
+        s = self.state
+        try:
+            match msg:
+                case GetMeta():
+                    meta = s.get_meta(msg, responder, now)
+                    return None if meta is None else MetaReply(rid=msg.rid, meta=meta)
+                case PreparePut():
+                    return s.prepare_put(msg, now)
+                case PrepareFields():
+                    return s.prepare_fields(msg, now)
+                case CommitPut():
+                    meta, effects = s.commit(msg.put_id, now)
+                    self._apply(effects)
+                    if s.finished_puts.get(msg.put_id) == "cleared":
+                        raise s.put_error(msg.put_id)
+                    return Ok(rid=msg.rid) if meta is None else MetaReply(rid=msg.rid, meta=meta)
+                case AbortPut():
+                    self._apply(s.abort(msg.put_id))
+                    return Ok(rid=msg.rid)
+                case Ack():
+                    n = s.ack(msg.partition, msg.task, msg.lease_id, msg.row_ids)
+                    return Ok(rid=msg.rid, count=n)
+                case Release():
+                    n, effects = s.release(msg.partition, msg.task, msg.lease_id, msg.row_ids, now)
+                    self._apply(effects)
+                    return Ok(rid=msg.rid, count=n)
+                case GetByKeys():
+                    meta = s.get_by_keys(msg.partition, msg.keys, msg.fields)
+                    return MetaReply(rid=msg.rid, meta=meta)
+                case ListKeys():
+                    return KeysReply(rid=msg.rid, keys=s.list_keys(msg.partition))
+                case CreatePartition():
+                    s.create_partition(msg.partition, msg.fields)
+                    return Ok(rid=msg.rid)
+                case ClearSamples():
+                    n = len(msg.row_ids)
+                    return self._drain(msg.rid, s.clear_samples(msg.partition, msg.row_ids), n)
+                case ClearPartition():
+                    return self._drain(msg.rid, s.clear_partition(msg.partition), 0)
+                case GetStats():
+                    return self._stats(msg.rid, msg.partition)
+                case RegisterUnit():
+                    return self._register(msg.rid, msg.address)
+                case _:
+                    raise InvalidRequestError(
+                        f"{type(msg).__name__} is not a controller request; it goes to a "
+                        f"storage unit"
+                    )
+        finally:
+            self._rearm()
+
+    # --- effects ---
+    def _apply(self, effects: Effects) -> list[asyncio.Task[Any]]:
+        """Answer parked requests now; start the storage drops and return their tasks."""
+        for responder, meta in effects.served:
+            responder.reply(MetaReply(rid=responder.rid, meta=meta))
+        for responder, exc in effects.failed:
+            responder.fail(exc)
+        jobs: list[tuple[int, Any]] = []
+        for unit, parts in effects.drop_rows.items():
+            for partition, rows in parts.items():
+                jobs.append((unit, DropRows(rid=0, partition=partition, row_ids=rows)))
+        for unit, chunks in effects.drop_chunks.items():
+            jobs.append((unit, DropChunks(rid=0, chunks=chunks)))
+        for partition in effects.drop_partitions:
+            jobs.extend(
+                (u, DropPartition(rid=0, partition=partition)) for u in range(len(self.units))
+            )
+        return [self._spawn(self._order(unit, req)) for unit, req in jobs]
+
+    async def _order(self, unit: int, req: Any) -> None:
+        try:
+            await self.units[unit].request(req, timeout=self.config.storage_timeout)
+        except TQStreamError:
+            self.drop_failures += 1
+            raise
+
+    def _drain(self, rid: int, effects: Effects, count: int) -> Any:
+        """Reply only once the storage units have freed the bytes (so stats are exact after)."""
+        tasks = self._apply(effects)
+
+        async def wait() -> Ok:
+            await asyncio.gather(*tasks)
+            return Ok(rid=rid, count=count)
+
+        return wait()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name="tqstream-controller-order")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # --- time ---
+    def _rearm(self) -> None:
+        at = self.state.next_deadline()
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None:
+            self._timer = asyncio.get_running_loop().call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self._apply(self.state.expire(asyncio.get_running_loop().time()))
+        self._rearm()
+
+    # --- units and stats ---
+    async def _register(self, rid: int, address: str) -> Registered:
+        if address in self.state.units:
+            return Registered(rid=rid, unit=self.state.units.index(address))
+        conn = await Connection.open(
+            self.ctx,
+            address,
+            role="controller",
+            connect_timeout=ClientConfig.connect_timeout,
+            heartbeat_interval=ClientConfig.heartbeat_interval,
+            max_message_bytes=self.config.max_message_bytes,
+        )
+        self.units.append(conn)
+        return Registered(rid=rid, unit=self.state.add_unit(address))
+
+    async def _stats(self, rid: int, partition: str | None) -> StatsReply:
+        parts = self.state.stats(partition)
+
+        async def one(i: int, conn: Connection) -> UnitStats:
+            try:
+                reply, _ = await conn.request(
+                    GetUnitStats(rid=0), timeout=self.config.storage_timeout
+                )
+                assert isinstance(reply, UnitStatsReply)
+                return reply.stats
+            except TQStreamError:
+                return UnitStats(
+                    address=self.state.units[i], bytes=-1, chunks=-1, rows=-1, alive=False
+                )
+
+        units = await asyncio.gather(*(one(i, c) for i, c in enumerate(self.units)))
+        return StatsReply(rid=rid, stats=Stats(partitions=parts, units=list(units)))

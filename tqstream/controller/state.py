@@ -1,0 +1,617 @@
+"""The controller's whole state, pure: no sockets, no clock (``now`` is an argument).
+
+The service calls one method per request and turns the returned :class:`Effects` into I/O: replies
+to parked requests, errors for timed-out ones, and drop orders for storage units. Every deadline
+(lease expiry, uncommitted put, parked request timeout) sits in one heap; the service keeps a
+single timer at :meth:`ControllerState.next_deadline` and calls :meth:`expire` when it fires, so
+nothing polls.
+
+A put is two-phase: ``prepare_put`` validates everything, reserves keys, group slots and row ids
+and places the rows on storage units; the client stores the chunks; ``commit`` makes the rows
+visible at once. ``abort`` (or the put deadline) removes the reservation and orders the units to
+drop whatever chunks arrived, so a failed put leaves neither rows nor bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import secrets
+from collections import OrderedDict
+from typing import Any
+
+from tqstream.controller.partition import Partition, Row
+from tqstream.controller.placement import place
+from tqstream.errors import (
+    FieldExistsError,
+    InvalidRequestError,
+    LeaseError,
+    LeaseExpiredError,
+    NotReadyError,
+    PartitionClearedError,
+    RequestTimeoutError,
+    TQStreamError,
+    UnknownKeyError,
+    UnknownLeaseError,
+    UnknownPartitionError,
+    UnknownRowError,
+)
+from tqstream.protocol.messages import (
+    FieldsPlan,
+    GetMeta,
+    PlanSegment,
+    PrepareFields,
+    PreparePut,
+    PutPlan,
+)
+from tqstream.types import BatchMeta, PartitionStats
+
+_FINISHED_LIMIT = 100_000
+
+
+@dataclasses.dataclass
+class Effects:
+    """What the service must do after a state change."""
+
+    served: list[tuple[Any, BatchMeta]] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Any, TQStreamError]] = dataclasses.field(default_factory=list)
+    drop_rows: dict[int, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
+    drop_chunks: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    drop_partitions: list[str] = dataclasses.field(default_factory=list)  # on every unit
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.served or self.failed or self.drop_rows or self.drop_chunks or self.drop_partitions
+        )
+
+
+@dataclasses.dataclass
+class _PendingPut:
+    put_id: int
+    partition: str
+    rows: list[Row]
+    mask: int
+    fields: list[str]
+    chunks: list[tuple[int, int]]  # (unit, chunk)
+    new_rows: bool  # a put (True) or a put_fields (False)
+    per_row: int  # bytes per row, for the units' load estimate
+    cancelled: bool = False  # its partition was cleared: only its chunks remain to drop
+
+
+@dataclasses.dataclass
+class _Lease:
+    lease_id: int
+    partition: str
+    task: str
+    rows: set[int]
+    deadline: float
+
+
+@dataclasses.dataclass(eq=False)
+class _Parked:
+    handle: Any
+    req: GetMeta
+    mask: int
+
+
+class ControllerState:
+    def __init__(self, *, lease_timeout: float = 300.0, put_timeout: float = 60.0) -> None:
+        self.lease_timeout = lease_timeout
+        self.put_timeout = put_timeout
+        self.partitions: dict[str, Partition] = {}
+        self.units: list[str] = []
+        self.unit_bytes: list[int] = []
+        self.pending: dict[int, _PendingPut] = {}
+        self.leases: dict[int, _Lease] = {}
+        self.finished_leases: OrderedDict[int, str] = OrderedDict()
+        self.finished_puts: OrderedDict[int, str] = OrderedDict()
+        self.parked: dict[str, dict[Any, _Parked]] = {}
+        self._deadlines: list[tuple[float, int, str, Any]] = []
+        self._ids = itertools.count(1)
+
+    # --- units and partitions ---
+    def add_unit(self, address: str) -> int:
+        if address in self.units:
+            return self.units.index(address)
+        self.units.append(address)
+        self.unit_bytes.append(0)
+        return len(self.units) - 1
+
+    def partition(self, name: str) -> Partition:
+        p = self.partitions.get(name)
+        if p is None:
+            known = ", ".join(repr(k) for k in sorted(self.partitions)) or "none"
+            raise UnknownPartitionError(
+                f"partition {name!r} does not exist (existing: {known}); put to it first, or "
+                f"declare it with create_partition({name!r}, fields=[...]) so that gets wait for "
+                f"producers",
+                partition=name,
+            )
+        return p
+
+    def create_partition(self, name: str, fields: list[str]) -> None:
+        if not name:
+            raise InvalidRequestError("partition name must be a non-empty string")
+        p = self.partitions.get(name)
+        if p is None:
+            p = self.partitions[name] = Partition(name, f"{secrets.token_hex(4)}-")
+        p.declare(fields)
+
+    # --- puts ---
+    def prepare_put(self, req: PreparePut, now: float) -> PutPlan:
+        if req.n_rows <= 0 or not req.schemas:
+            raise InvalidRequestError(
+                f"a put needs at least one row and one field (got "
+                f"{req.n_rows} rows, {len(req.schemas)} fields)"
+            )
+        for name, seq in (("keys", req.keys), ("groups", req.groups)):
+            if seq is not None and len(seq) != req.n_rows:
+                raise InvalidRequestError(
+                    f"{name}= has {len(seq)} entries but the put has {req.n_rows} rows"
+                )
+        if req.group_size is not None and req.group_size <= 0:
+            raise InvalidRequestError(f"group_size must be positive, got {req.group_size}")
+        runs = place(self.unit_bytes, req.n_rows, req.nbytes)  # fails before any change
+        self.create_partition(req.partition, [])
+        p = self.partitions[req.partition]
+        mask = p.check_schemas(req.schemas)
+        try:
+            rows = p.reserve_rows(req.n_rows, req.keys, req.groups, req.group_size, req.version)
+        except TQStreamError:
+            p.forget_unused_schemas(req.schemas, self._pending_fields(req.partition))
+            raise
+        per_row = req.nbytes // req.n_rows
+        segments = []
+        for unit, start, stop in runs:
+            chunk = next(self._ids)
+            segments.append(PlanSegment(unit=unit, chunk=chunk, start=start, stop=stop))
+            for r in rows[start:stop]:
+                r.unit, r.nbytes = unit, per_row
+            self.unit_bytes[unit] += per_row * (stop - start)
+        put = self._add_pending(
+            req.partition, rows, mask, list(req.schemas), segments, True, per_row, now
+        )
+        return PutPlan(
+            rid=req.rid, put_id=put.put_id, row_ids=[r.id for r in rows], segments=segments
+        )
+
+    def prepare_fields(self, req: PrepareFields, now: float) -> FieldsPlan:
+        p = self.partition(req.partition)
+        if not req.row_ids or not req.schemas:
+            raise InvalidRequestError("put_fields needs at least one row and one field")
+        rows = self._rows(p, req.row_ids)
+        for name, _schema in req.schemas.items():
+            bit = p.bits.get(name, 0)
+            taken = [r.key for r in rows if (r.written | r.pending) & bit]
+            if taken:
+                raise FieldExistsError(
+                    f"field {name!r} is already written (or being written) for {len(taken)} of the "
+                    f"{len(rows)} rows in partition {req.partition!r} (e.g. key {taken[0]!r}); "
+                    f"fields cannot be overwritten: write the new values under another name",
+                    field=name,
+                    rows=len(taken),
+                )
+        mask = p.check_schemas(req.schemas)
+        by_unit: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            r.pending |= mask
+            by_unit.setdefault(r.unit, []).append(i)
+        per_row = req.nbytes // len(rows)
+        segments, positions = [], []
+        for unit, pos in sorted(by_unit.items()):
+            segments.append(PlanSegment(unit=unit, chunk=next(self._ids), start=0, stop=len(pos)))
+            positions.append(pos)
+            self.unit_bytes[unit] += per_row * len(pos)
+        for r in rows:
+            r.nbytes += per_row
+        put = self._add_pending(
+            req.partition, rows, mask, list(req.schemas), segments, False, per_row, now
+        )
+        return FieldsPlan(rid=req.rid, put_id=put.put_id, segments=segments, positions=positions)
+
+    def _add_pending(
+        self,
+        partition: str,
+        rows: list[Row],
+        mask: int,
+        fields: list[str],
+        segments: list[PlanSegment],
+        new_rows: bool,
+        per_row: int,
+        now: float,
+    ) -> _PendingPut:
+        put = _PendingPut(
+            next(self._ids),
+            partition,
+            rows,
+            mask,
+            fields,
+            [(s.unit, s.chunk) for s in segments],
+            new_rows,
+            per_row,
+        )
+        self.pending[put.put_id] = put
+        self._at(now + self.put_timeout, "put", put.put_id)
+        return put
+
+    def _pending_fields(self, partition: str) -> set[str]:
+        return {
+            f
+            for q in self.pending.values()
+            if q.partition == partition and not q.cancelled
+            for f in q.fields
+        }
+
+    def commit(self, put_id: int, now: float) -> tuple[BatchMeta | None, Effects]:
+        put = self.pending.pop(put_id, None)
+        if put is None:
+            raise self.put_error(put_id)
+        effects = Effects()
+        if put.cancelled:
+            self._finish(self.finished_puts, put_id, "cleared")
+            self._rollback(put, effects)
+            return None, effects  # the service sends the drops, then raises the error
+        self._finish(self.finished_puts, put_id, "committed")
+        p = self.partitions[put.partition]
+        if put.new_rows:
+            p.commit_rows(put.rows, put.mask)
+        else:
+            gone = [r.id for r in put.rows if r.id not in p.rows]  # cleared while in flight
+            if gone:
+                unit_rows = effects.drop_rows
+                for r in put.rows:
+                    if r.id not in p.rows:
+                        unit_rows.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
+            p.commit_fields([r for r in put.rows if r.id in p.rows], put.mask)
+        self._serve_parked(put.partition, effects, now)
+        meta = self._meta(p, put.rows, put.fields) if put.new_rows else None
+        return meta, effects
+
+    def put_error(self, put_id: int) -> TQStreamError:
+        status = self.finished_puts.get(put_id)
+        if status == "expired":
+            return RequestTimeoutError(
+                f"put {put_id} was not committed within put_timeout={self.put_timeout}s and was "
+                f"rolled back (no rows, no bytes kept); retry the put",
+                put_id=put_id,
+            )
+        if status == "cleared":
+            return PartitionClearedError(
+                f"the partition of put {put_id} was cleared while the put was in flight; nothing "
+                f"was stored",
+                put_id=put_id,
+            )
+        return InvalidRequestError(
+            f"put {put_id} is unknown or already {status or 'finished'}", put_id=put_id
+        )
+
+    def abort(self, put_id: int) -> Effects:
+        effects = Effects()
+        put = self.pending.pop(put_id, None)
+        if put is not None:
+            self._finish(self.finished_puts, put_id, "aborted")
+            self._rollback(put, effects)
+        return effects
+
+    def _rollback(self, put: _PendingPut, effects: Effects) -> None:
+        for unit, chunk in put.chunks:
+            effects.drop_chunks.setdefault(unit, []).append(chunk)
+        if put.cancelled:
+            return  # the partition and its rows are gone already
+        p = self.partitions[put.partition]
+        if put.new_rows:
+            for r in p.remove_rows([r.id for r in put.rows]):
+                self.unit_bytes[r.unit] -= r.nbytes
+        else:
+            for r in put.rows:
+                r.pending &= ~put.mask
+                r.nbytes -= put.per_row
+                self.unit_bytes[r.unit] -= put.per_row
+        p.forget_unused_schemas(put.fields, self._pending_fields(put.partition))
+
+    # --- gets ---
+    def get_meta(self, req: GetMeta, handle: Any, now: float) -> BatchMeta | None:
+        """Serve now, or park ``handle`` (answered later through ``Effects``) and return None."""
+        if req.batch_size <= 0:
+            raise InvalidRequestError(
+                f"batch_size must be a positive number of rows, got {req.batch_size}",
+                batch_size=req.batch_size,
+            )
+        if not req.fields:
+            raise InvalidRequestError("get_meta needs at least one field to wait for")
+        if not req.task:
+            raise InvalidRequestError("get_meta needs a task name (e.g. task='actor')")
+        if req.timeout is not None and req.timeout < 0:
+            raise InvalidRequestError(f"timeout must be >= 0 or None, got {req.timeout}")
+        if req.lease_timeout is not None and req.lease_timeout <= 0:
+            raise InvalidRequestError(f"lease_timeout must be > 0, got {req.lease_timeout}")
+        p = self.partition(req.partition)
+        mask = p.mask_of(req.fields)
+        meta = self._try_serve(p, req, mask, now)
+        if meta is not None:
+            return meta
+        if req.timeout == 0:
+            raise self._timeout_error(p, req)
+        parked = _Parked(handle, req, mask)
+        self.parked.setdefault(req.partition, {})[handle] = parked
+        if req.timeout is not None:
+            self._at(now + req.timeout, "park", parked)
+        return None
+
+    def _try_serve(self, p: Partition, req: GetMeta, mask: int, now: float) -> BatchMeta | None:
+        rows = p.select(req.task, mask, req.batch_size, req.whole_groups)
+        if rows is None:
+            return None
+        lease_id = next(self._ids)
+        p.lease(req.task, rows, lease_id)
+        lease = _Lease(
+            lease_id, p.name, req.task, set(rows), now + (req.lease_timeout or self.lease_timeout)
+        )
+        self.leases[lease_id] = lease
+        self._at(lease.deadline, "lease", lease_id)
+        return self._meta(p, [p.rows[r] for r in rows], req.fields, req.task, lease_id)
+
+    def _serve_parked(self, partition: str, effects: Effects, now: float) -> None:
+        waiting = self.parked.get(partition)
+        if not waiting:
+            return
+        p = self.partitions[partition]
+        for handle, parked in list(waiting.items()):
+            meta = self._try_serve(p, parked.req, parked.mask, now)
+            if meta is not None:
+                del waiting[handle]
+                effects.served.append((handle, meta))
+
+    def _timeout_error(self, p: Partition, req: GetMeta) -> RequestTimeoutError:
+        why = p.shortage(req.task, req.fields, req.batch_size, req.whole_groups)
+        return RequestTimeoutError(
+            f"get_meta(partition={req.partition!r}, task={req.task!r}, fields={req.fields}, "
+            f"batch_size={req.batch_size}) timed out after {req.timeout}s: {why}",
+            partition=req.partition,
+            task=req.task,
+        )
+
+    def cancel_parked(self, handle: Any) -> None:
+        """The requester went away: forget its parked request."""
+        for waiting in self.parked.values():
+            waiting.pop(handle, None)
+
+    def get_by_keys(self, partition: str, keys: list[str], fields: list[str] | None) -> BatchMeta:
+        p = self.partition(partition)
+        missing = [k for k in keys if k not in p.keys or not p.rows[p.keys[k]].committed]
+        if missing:
+            shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise UnknownKeyError(
+                f"{len(missing)} of {len(keys)} keys are not in partition {partition!r}: {shown}",
+                partition=partition,
+                count=len(missing),
+            )
+        rows = [p.rows[p.keys[k]] for k in keys]
+        if fields is None:
+            common = ~0
+            for r in rows:
+                common &= r.written
+            fields = [f for f, bit in p.bits.items() if common & bit]
+        p.mask_of(fields)  # unknown fields raise
+        for f in fields:
+            lacking = [r.key for r in rows if not r.written & p.bits[f]]
+            if lacking:
+                raise NotReadyError(
+                    f"field {f!r} is not written for {len(lacking)} of the "
+                    f"requested rows of partition {partition!r} (e.g. key "
+                    f"{lacking[0]!r})",
+                    field=f,
+                    rows=len(lacking),
+                )
+        return self._meta(p, rows, fields)
+
+    def list_keys(self, partition: str) -> list[str]:
+        p = self.partition(partition)
+        return [r.key for r in p.rows.values() if r.committed]
+
+    # --- consumption ---
+    def ack(self, partition: str, task: str, lease_id: int, row_ids: list[int]) -> int:
+        lease, p = self._lease_for(partition, task, lease_id, row_ids)
+        if lease is None or p is None:
+            return 0
+        rows = [r for r in row_ids if r in lease.rows]
+        n = p.ack(task, rows)
+        lease.rows.difference_update(rows)
+        if not lease.rows:
+            self._end_lease(lease, "acked")
+        return n
+
+    def release(
+        self, partition: str, task: str, lease_id: int, row_ids: list[int], now: float
+    ) -> tuple[int, Effects]:
+        effects = Effects()
+        lease, p = self._lease_for(partition, task, lease_id, row_ids)
+        if lease is None or p is None:
+            return 0, effects
+        rows = [r for r in row_ids if r in lease.rows]
+        n = p.release(task, rows)
+        lease.rows.difference_update(rows)
+        if not lease.rows:
+            self._end_lease(lease, "released")
+        self._serve_parked(partition, effects, now)
+        return n, effects
+
+    def _lease_for(
+        self, partition: str, task: str, lease_id: int, row_ids: list[int]
+    ) -> tuple[_Lease | None, Partition | None]:
+        """The active lease, or None when the call is a harmless repeat; raises otherwise."""
+        p = self.partitions.get(partition)
+        lease = self.leases.get(lease_id)
+        if lease is not None and (lease.task != task or lease.partition != partition):
+            raise UnknownLeaseError(
+                f"lease {lease_id} belongs to task {lease.task!r} of partition "
+                f"{lease.partition!r}, not to task {task!r} of {partition!r}",
+                lease_id=lease_id,
+            )
+        status = "active" if lease is not None else self.finished_leases.get(lease_id)
+        if status is None:
+            raise UnknownLeaseError(
+                f"lease {lease_id} is unknown to this controller (never granted, or granted by a "
+                f"controller that has since restarted); get the rows again with get_meta",
+                lease_id=lease_id,
+            )
+        if p is None or status == "cleared":
+            return None, None
+        t = p.tasks.get(task)
+        acked = t.acked if t is not None else set()
+        live = [r for r in row_ids if r in p.rows]
+        outside = [r for r in live if r not in acked and (lease is None or r not in lease.rows)]
+        if not outside:
+            return lease, p
+        if status == "expired":
+            raise LeaseExpiredError(
+                f"lease {lease_id} of task {task!r} expired (lease_timeout) before this call: its "
+                f"{len(outside)} unacked rows went back to available and may be delivered again; "
+                f"ack sooner or pass a longer lease_timeout to get_meta",
+                lease_id=lease_id,
+            )
+        raise LeaseError(
+            f"{len(outside)} rows are not leased under lease {lease_id} of task "
+            f"{task!r} (released earlier, or never part of it)",
+            lease_id=lease_id,
+        )
+
+    def _end_lease(self, lease: _Lease, status: str) -> None:
+        self.leases.pop(lease.lease_id, None)
+        self._finish(self.finished_leases, lease.lease_id, status)
+
+    # --- clearing ---
+    def clear_samples(self, partition: str, row_ids: list[int]) -> Effects:
+        p = self.partition(partition)
+        effects = Effects()
+        removed = p.remove_rows([r for r in row_ids if r in p.rows and p.rows[r].committed])
+        for r in removed:
+            self.unit_bytes[r.unit] -= r.nbytes
+            effects.drop_rows.setdefault(r.unit, {}).setdefault(partition, []).append(r.id)
+        ids = {r.id for r in removed}
+        for lease in list(self.leases.values()):
+            if lease.partition == partition and lease.rows & ids:
+                lease.rows -= ids
+                if not lease.rows:
+                    self._end_lease(lease, "cleared")
+        return effects
+
+    def clear_partition(self, partition: str) -> Effects:
+        p = self.partition(partition)
+        effects = Effects()
+        for r in p.rows.values():
+            self.unit_bytes[r.unit] -= r.nbytes
+        effects.drop_partitions.append(partition)
+        for put in self.pending.values():
+            if put.partition == partition:
+                put.cancelled = True  # commit or deadline still drops its chunks
+        for lease in list(self.leases.values()):
+            if lease.partition == partition:
+                self._end_lease(lease, "cleared")
+        for handle in self.parked.pop(partition, {}):
+            effects.failed.append(
+                (
+                    handle,
+                    PartitionClearedError(
+                        f"partition {partition!r} was cleared while this get_meta waited",
+                        partition=partition,
+                    ),
+                )
+            )
+        del self.partitions[partition]
+        return effects
+
+    # --- time ---
+    def _at(self, deadline: float, kind: str, ref: Any) -> None:
+        heapq.heappush(self._deadlines, (deadline, next(self._ids), kind, ref))
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def expire(self, now: float) -> Effects:
+        effects = Effects()
+        touched: set[str] = set()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, kind, ref = heapq.heappop(self._deadlines)
+            if kind == "lease":
+                lease = self.leases.get(ref)
+                if lease is not None and lease.deadline == deadline:
+                    p = self.partitions[lease.partition]
+                    p.release(lease.task, sorted(lease.rows))
+                    self._end_lease(lease, "expired")
+                    touched.add(lease.partition)
+            elif kind == "put":
+                put = self.pending.pop(ref, None)
+                if put is not None:
+                    self._finish(self.finished_puts, ref, "cleared" if put.cancelled else "expired")
+                    self._rollback(put, effects)
+            else:
+                parked: _Parked = ref
+                waiting = self.parked.get(parked.req.partition, {})
+                if waiting.get(parked.handle) is parked:
+                    del waiting[parked.handle]
+                    p = self.partitions[parked.req.partition]
+                    effects.failed.append((parked.handle, self._timeout_error(p, parked.req)))
+        for name in touched:
+            self._serve_parked(name, effects, now)
+        return effects
+
+    @staticmethod
+    def _finish(record: OrderedDict[int, str], key: int, status: str) -> None:
+        record[key] = status
+        if len(record) > _FINISHED_LIMIT:
+            record.popitem(last=False)
+
+    # --- helpers ---
+    @staticmethod
+    def _rows(p: Partition, row_ids: list[int]) -> list[Row]:
+        rows = [p.rows.get(r) for r in row_ids]
+        missing = [
+            rid for rid, r in zip(row_ids, rows, strict=True) if r is None or not r.committed
+        ]
+        if missing:
+            raise UnknownRowError(
+                f"{len(missing)} of {len(row_ids)} rows no longer exist in "
+                f"partition {p.name!r} (cleared since the metadata was obtained)",
+                partition=p.name,
+                count=len(missing),
+            )
+        return rows  # type: ignore[return-value]
+
+    @staticmethod
+    def _meta(
+        p: Partition,
+        rows: list[Row],
+        fields: list[str],
+        task: str | None = None,
+        lease_id: int | None = None,
+    ) -> BatchMeta:
+        return BatchMeta(
+            partition=p.name,
+            row_ids=[r.id for r in rows],
+            keys=[r.key for r in rows],
+            units=[r.unit for r in rows],
+            groups=[r.group for r in rows],
+            version_start=[r.version_start for r in rows],
+            version_end=[r.version_end for r in rows],
+            fields=list(fields),
+            schemas={f: p.schemas[f] for f in fields if f in p.schemas},
+            task=task,
+            lease_id=lease_id,
+        )
+
+    def stats(self, partition: str | None) -> dict[str, PartitionStats]:
+        names = [partition] if partition is not None else sorted(self.partitions)
+        out = {}
+        for name in names:
+            p = self.partition(name)
+            out[name] = PartitionStats(
+                rows=p.committed,
+                fields={f: p.written_count.get(f, 0) for f in p.bits},
+                schemas=dict(p.schemas),
+                tasks=p.task_stats(),
+                pending_puts=sum(1 for q in self.pending.values() if q.partition == name),
+                parked_requests=len(self.parked.get(name, {})),
+            )
+        return out

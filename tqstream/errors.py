@@ -1,0 +1,237 @@
+"""The tqstream exception tree.
+
+Every error a user can see derives from :class:`TQStreamError` and also from the builtin exception a
+caller would naturally catch (``ValueError`` for bad input, ``TimeoutError`` for timeouts,
+``ConnectionError`` for dead peers). Errors raised inside a server travel back as a typed error
+reply (``code`` + ``message`` + ``details``) and are re-raised in the client as the same class, so
+``except tqstream.SchemaError`` works the same in the embedded and the multi-process deployment.
+
+Messages are composed where the error is raised and always say what was expected, what was observed
+and which setting or call to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "BatchShapeError",
+    "CapacityError",
+    "ClosedError",
+    "ConnectError",
+    "ConnectionLostError",
+    "DuplicateKeyError",
+    "FieldExistsError",
+    "GroupError",
+    "InternalError",
+    "InvalidRequestError",
+    "LeaseError",
+    "LeaseExpiredError",
+    "MalformedMessageError",
+    "MessageTooLargeError",
+    "NotReadyError",
+    "PartitionClearedError",
+    "ProtocolError",
+    "ProtocolVersionError",
+    "RequestTimeoutError",
+    "SchemaError",
+    "TQStreamError",
+    "UnknownFieldError",
+    "UnknownKeyError",
+    "UnknownLeaseError",
+    "UnknownPartitionError",
+    "UnknownRowError",
+    "error_class",
+]
+
+_REGISTRY: dict[str, type[TQStreamError]] = {}
+
+
+class TQStreamError(Exception):
+    """Base of every tqstream error. ``details`` holds the numbers the message was composed from."""
+
+    code: ClassVar[str] = "error"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("code") is None:
+            raise TypeError(f"{cls.__name__} must define a wire code")
+        if cls.code in _REGISTRY:
+            raise TypeError(f"duplicate wire code {cls.code!r}")
+        _REGISTRY[cls.code] = cls
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep exceptions picklable for multiprocessing users
+        return (_rebuild, (self.code, self.message, self.details))
+
+
+def _rebuild(code: str, message: str, details: dict[str, Any]) -> TQStreamError:
+    return error_class(code)(message, **details)
+
+
+def error_class(code: str) -> type[TQStreamError]:
+    """The exception class for a wire error code (``InternalError`` for unknown codes)."""
+    return _REGISTRY.get(code, InternalError)
+
+
+_REGISTRY[TQStreamError.code] = TQStreamError
+
+
+# --- bad input ---
+class SchemaError(TQStreamError, ValueError):
+    """Data offered for a field differs from the schema fixed by the field's first write."""
+
+    code = "schema"
+
+
+class BatchShapeError(TQStreamError, ValueError):
+    """A put whose fields disagree on the row count, or that has no rows or no fields."""
+
+    code = "batch_shape"
+
+
+class DuplicateKeyError(TQStreamError, ValueError):
+    """A put names a key that already exists in the partition (or twice in the same put)."""
+
+    code = "duplicate_key"
+
+
+class FieldExistsError(TQStreamError, ValueError):
+    """``put_fields`` would overwrite a field that is already written for some rows."""
+
+    code = "field_exists"
+
+
+class GroupError(TQStreamError, ValueError):
+    """Inconsistent group declarations: a group over its declared size, or sizes that disagree."""
+
+    code = "group"
+
+
+class InvalidRequestError(TQStreamError, ValueError):
+    """A request argument is out of range (``batch_size <= 0``, a negative timeout, ...)."""
+
+    code = "invalid_request"
+
+
+class UnknownPartitionError(TQStreamError, KeyError):
+    """The partition does not exist (never put to, never declared, or cleared)."""
+
+    code = "unknown_partition"
+
+
+class UnknownFieldError(TQStreamError, KeyError):
+    """A request names a field that the partition has neither written nor declared."""
+
+    code = "unknown_field"
+
+
+class UnknownKeyError(TQStreamError, KeyError):
+    """``get_by_keys`` names keys that are not in the partition."""
+
+    code = "unknown_key"
+
+
+class UnknownRowError(TQStreamError, KeyError):
+    """A request refers to rows that no longer exist (cleared since the metadata was obtained)."""
+
+    code = "unknown_row"
+
+
+class NotReadyError(TQStreamError, LookupError):
+    """``get_by_keys`` asks for a field that is not written yet for some of the rows."""
+
+    code = "not_ready"
+
+
+class LeaseError(TQStreamError, ValueError):
+    """Base of lease errors."""
+
+    code = "lease"
+
+
+class UnknownLeaseError(LeaseError):
+    """``ack``/``release`` of a lease this controller never granted."""
+
+    code = "unknown_lease"
+
+
+class LeaseExpiredError(LeaseError):
+    """``ack``/``release`` of a lease that expired: its rows went back to available."""
+
+    code = "lease_expired"
+
+
+class MessageTooLargeError(TQStreamError, ValueError):
+    """A message is larger than the configured ``max_message_bytes``."""
+
+    code = "message_too_large"
+
+
+class CapacityError(TQStreamError, MemoryError):
+    """Storage has no room for a put within its timeout."""
+
+    code = "capacity"
+
+
+# --- waiting ---
+class RequestTimeoutError(TQStreamError, TimeoutError):
+    """A request could not be served within its timeout; the message says what was missing."""
+
+    code = "timeout"
+
+
+class PartitionClearedError(TQStreamError, RuntimeError):
+    """A parked request's partition was cleared while it waited."""
+
+    code = "partition_cleared"
+
+
+# --- peers ---
+class ConnectError(TQStreamError, ConnectionError):
+    """No tqstream server answered at the address within the connect timeout."""
+
+    code = "connect"
+
+
+class ConnectionLostError(TQStreamError, ConnectionError):
+    """The connection to a server dropped while requests were in flight."""
+
+    code = "connection_lost"
+
+
+class ClosedError(TQStreamError, RuntimeError):
+    """The client or server was used after ``close()``."""
+
+    code = "closed"
+
+
+class ProtocolError(TQStreamError):
+    """Base of wire-protocol errors."""
+
+    code = "protocol"
+
+
+class ProtocolVersionError(ProtocolError):
+    """The peers speak different protocol versions."""
+
+    code = "protocol_version"
+
+
+class MalformedMessageError(ProtocolError, ValueError):
+    """A message could not be decoded (garbage, truncation, unknown type)."""
+
+    code = "malformed"
+
+
+class InternalError(TQStreamError, RuntimeError):
+    """An unexpected failure inside a server; the message carries the original exception."""
+
+    code = "internal"

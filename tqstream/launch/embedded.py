@@ -1,0 +1,127 @@
+"""The embedded deployment: a controller and storage units inside the user's process.
+
+They run on one named daemon thread with its own asyncio loop and ZMQ context, bound to loopback, so
+the client talks to them over the same sockets and protocol as to a real cluster; ``close()`` (or
+the client's ``close()``) stops them and frees their ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import zmq.asyncio
+
+from tqstream.client.loop import LoopThread
+from tqstream.config import ClientConfig, ControllerConfig, StorageConfig, from_env
+from tqstream.controller.service import ControllerService
+from tqstream.storage.service import StorageService
+
+__all__ = ["EmbeddedCluster", "init"]
+
+_log = logging.getLogger("tqstream")
+
+
+class EmbeddedCluster:
+    def __init__(
+        self, controller: ControllerConfig, storage: StorageConfig, storage_units: int = 1
+    ) -> None:
+        self._io = LoopThread(name="tqstream-embedded")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.failure: BaseException | None = None
+        try:
+            self._io.run(self._start(controller, storage, storage_units))
+        except BaseException:
+            self.close()
+            raise
+
+    async def _start(self, cc: ControllerConfig, sc: StorageConfig, n: int) -> None:
+        self._ctx = zmq.asyncio.Context()
+        loop = asyncio.get_running_loop()
+        self.controller = ControllerService(cc, self._ctx)
+        self.units: list[StorageService] = []
+        self._watch(loop.create_task(self.controller.serve(), name="tqstream-controller"))
+        for i in range(n):
+            unit = StorageService(sc, self.controller.address, self._ctx)
+            self.units.append(unit)
+            self._watch(loop.create_task(unit.serve(), name=f"tqstream-storage-{i}"))
+            await unit.register()
+
+    def _watch(self, task: asyncio.Task[Any]) -> None:
+        """A server loop that dies takes the whole cluster down, so every client request fails
+        promptly with ConnectionLostError instead of waiting for a server that no longer reads."""
+        self._tasks.append(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if not t.cancelled() and t.exception() is not None and self.failure is None:
+                self.failure = t.exception()
+                _log.error("tqstream embedded server %s failed; stopping the embedded cluster",
+                           t.get_name(), exc_info=self.failure)
+                asyncio.get_running_loop().create_task(self._stop_servers())
+
+        task.add_done_callback(done)
+
+    @property
+    def address(self) -> str:
+        return self.controller.address
+
+    def close(self) -> None:
+        """Stop the servers and free their ports. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._io.run(self._stop())
+        finally:
+            self._io.stop()
+
+    async def _stop_servers(self) -> None:
+        for unit in getattr(self, "units", []):
+            await unit.close()
+        if hasattr(self, "controller"):
+            await self.controller.close()
+
+    async def _stop(self) -> None:
+        await self._stop_servers()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if hasattr(self, "_ctx"):
+            self._ctx.destroy(linger=0)
+
+
+def init(
+    *,
+    storage_units: int = 1,
+    lease_timeout: float | None = None,
+    put_timeout: float | None = None,
+    max_message_bytes: int | None = None,
+    client_config: ClientConfig | None = None,
+) -> Any:
+    """Start an embedded controller and ``storage_units`` storage units; return a client.
+
+    Closing the client stops them. Settings left as None come from ``TQSTREAM_*`` environment
+    variables or the defaults in :mod:`tqstream.config`.
+    """
+    from tqstream.client.client import Client
+
+    cc = from_env(
+        ControllerConfig,
+        lease_timeout=lease_timeout,
+        put_timeout=put_timeout,
+        max_message_bytes=max_message_bytes,
+        host="127.0.0.1",
+        port=0,
+    )
+    sc = from_env(StorageConfig, max_message_bytes=max_message_bytes, host="127.0.0.1", port=0)
+    cluster = EmbeddedCluster(cc, sc, storage_units)
+    try:
+        return Client(cluster.address, client_config, on_close=cluster.close)
+    except BaseException:
+        cluster.close()
+        raise

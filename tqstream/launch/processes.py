@@ -1,0 +1,205 @@
+"""``tqstream-launch``: a controller and N storage units as separate processes.
+
+The launcher starts the controller, then the storage units (each registers with the controller),
+prints one line with the connect address once all of them serve, and stays in the foreground. On
+SIGINT/SIGTERM, or if any child dies, it stops every child (SIGTERM, then SIGKILL after a grace
+period) and exits; the children also exit on their own if the launcher dies (they watch a pipe
+from it), so no orphan keeps a port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from tqstream.config import ControllerConfig
+
+__all__ = ["ProcessCluster", "main"]
+
+READY_TIMEOUT = 60.0
+
+
+class ProcessCluster:
+    """A controller and ``storage_units`` storage units in child processes."""
+
+    def __init__(
+        self,
+        storage_units: int = 1,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lease_timeout: float | None = None,
+        put_timeout: float | None = None,
+        max_message_bytes: int | None = None,
+    ) -> None:
+        if storage_units < 1:
+            raise ValueError(f"--storage-units must be at least 1, got {storage_units}")
+        self.procs: list[subprocess.Popen[str]] = []
+        extra = []
+        for flag, value in (
+            ("--lease-timeout", lease_timeout),
+            ("--put-timeout", put_timeout),
+            ("--max-message-bytes", max_message_bytes),
+        ):
+            if value is not None:
+                extra += [flag, str(value)]
+        try:
+            controller = self._spawn(["controller", "--host", host, "--port", str(port), *extra])
+            self.address = self._ready(controller, "controller")
+            units = [
+                self._spawn(["storage", "--host", host, "--controller", self.address, *extra])
+                for _ in range(storage_units)
+            ]  # start together, then wait for each
+            self.unit_addresses = [self._ready(u, "storage unit") for u in units]
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "tqstream.launch.worker", *args, "--watch-stdin"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _ready(proc: subprocess.Popen[str], what: str) -> str:
+        """The address from the child's ``READY <address>`` line."""
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        line: list[str] = []
+        reader = threading.Thread(
+            target=lambda: line.append(stdout.readline()), name="tqstream-launch-ready", daemon=True
+        )
+        reader.start()
+        reader.join(READY_TIMEOUT)
+        if not line or not line[0].startswith("READY "):
+            raise RuntimeError(
+                f"tqstream {what} process did not start within "
+                f"{READY_TIMEOUT:.0f}s (exit code {proc.poll()}); see its error "
+                f"above"
+            )
+        return line[0].split()[1]
+
+    def dead_child(self) -> subprocess.Popen[str] | None:
+        return next((p for p in self.procs if p.poll() is not None), None)
+
+    def close(self, grace: float = 5.0) -> None:
+        """Stop every child: SIGTERM, then SIGKILL after ``grace`` seconds. Idempotent."""
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            for stream in (p.stdin, p.stdout):
+                if stream is not None:
+                    stream.close()
+
+    def __enter__(self) -> ProcessCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field, so flags and config share one description."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(after.value.value)
+    return docs
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tqstream-launch",
+        description="Start a tqstream controller and storage units as processes. Prints "
+        "'tqstream ready at tcp://HOST:PORT' once all serve; clients then call "
+        "tqstream.connect(that address). Stops everything on SIGINT/SIGTERM.",
+    )
+    p.add_argument(
+        "--storage-units",
+        type=int,
+        default=1,
+        help="Number of storage-unit processes (default: 1).",
+    )
+    docs = _field_docs(ControllerConfig)
+    for f in dataclasses.fields(ControllerConfig):
+        if f.name == "storage_timeout":
+            continue
+        p.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=type(f.default),
+            default=f.default,
+            help=f"{docs.get(f.name, '')} (default: {f.default})",
+        )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster = ProcessCluster(
+            args.storage_units,
+            host=args.host,
+            port=args.port,
+            lease_timeout=args.lease_timeout,
+            put_timeout=args.put_timeout,
+            max_message_bytes=args.max_message_bytes,
+        )
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"tqstream-launch: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"tqstream ready at {cluster.address} (controller + {args.storage_units} storage "
+        f"units; stop with Ctrl-C)",
+        flush=True,
+    )
+    code = 0
+    try:
+        while not stop.wait(0.5):
+            dead = cluster.dead_child()
+            if dead is not None:
+                print(
+                    f"tqstream-launch: child process {dead.pid} exited with code "
+                    f"{dead.returncode}; shutting down",
+                    file=sys.stderr,
+                )
+                code = 1
+                break
+    finally:
+        cluster.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

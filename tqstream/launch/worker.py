@@ -1,0 +1,86 @@
+"""Entry point of one server process started by ``tqstream-launch``: a controller or a storage unit.
+
+It prints ``READY <address>`` on stdout once it serves (a storage unit: once registered), then
+serves until SIGTERM/SIGINT, or until its stdin reaches EOF — the launcher holds the other end of
+that pipe, so if the launcher dies for any reason, even SIGKILL, its children exit too and no
+orphan process keeps a port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+from tqstream.config import ControllerConfig, StorageConfig, from_env
+
+
+async def _run(args: argparse.Namespace) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if args.watch_stdin:
+
+        def on_stdin() -> None:
+            if not os.read(sys.stdin.fileno(), 4096):
+                loop.remove_reader(sys.stdin.fileno())
+                stop.set()
+
+        loop.add_reader(sys.stdin.fileno(), on_stdin)
+
+    service: Any
+    if args.role == "controller":  # the controller never imports torch: it starts in ~0.2 s
+        from tqstream.controller.service import ControllerService
+
+        service = ControllerService(
+            from_env(
+                ControllerConfig,
+                host=args.host,
+                port=args.port,
+                lease_timeout=args.lease_timeout,
+                put_timeout=args.put_timeout,
+                max_message_bytes=args.max_message_bytes,
+            )
+        )
+        serving = loop.create_task(service.serve(), name="tqstream-controller")
+    else:
+        from tqstream.storage.service import StorageService
+
+        service = StorageService(
+            from_env(
+                StorageConfig, host=args.host, port=0, max_message_bytes=args.max_message_bytes
+            ),
+            args.controller,
+        )
+        serving = loop.create_task(service.serve(), name="tqstream-storage")
+        await service.register()
+    print(f"READY {service.address}", flush=True)
+    stopper = loop.create_task(stop.wait(), name="tqstream-stop")
+    done, _ = await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    await service.close()
+    serving.cancel()
+    stopper.cancel()
+    if serving in done and serving.exception() is not None:
+        raise serving.exception()  # type: ignore[misc]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m tqstream.launch.worker")
+    p.add_argument("role", choices=["controller", "storage"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--controller", default=None)
+    p.add_argument("--lease-timeout", type=float, default=None)
+    p.add_argument("--put-timeout", type=float, default=None)
+    p.add_argument("--max-message-bytes", type=int, default=None)
+    p.add_argument("--watch-stdin", action="store_true")
+    args = p.parse_args(argv)
+    asyncio.run(_run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Wire messages: typed, frozen msgspec Structs in two tagged unions (requests and replies).
+
+A message on the wire is a ZMQ multipart message whose frame 0 is the msgpack encoding of one of
+these Structs and whose frames 1..n are raw tensor buffers, referenced by index from
+:class:`BufferRef`. Every request carries ``rid``; its reply echoes it, so one socket carries many
+concurrent requests. Evolve by adding fields with defaults only, and bump ``PROTOCOL_VERSION`` for
+anything else; the version is checked at the ``Hello`` handshake.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tqstream.types import BatchMeta, FieldSchema, Stats, UnitStats
+
+PROTOCOL_VERSION = 1
+
+
+class BufferRef(msgspec.Struct, frozen=True):
+    """A tensor carried in frame ``frame`` (1-based: frame 0 is the header)."""
+
+    frame: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class ColumnRef(msgspec.Struct, frozen=True):
+    """One column of a chunk: ``values`` is ``[n, *shape]`` (dense) or ``[sum L_i, *shape]`` with
+    ``offsets`` ``int64[n + 1]`` (ragged, and object columns as Arrow large-binary bytes)."""
+
+    name: str
+    schema: FieldSchema
+    values: BufferRef
+    offsets: BufferRef | None = None
+
+
+class PlanSegment(msgspec.Struct, frozen=True):
+    """Batch rows ``[start, stop)`` of a put go to storage unit ``unit`` as chunk ``chunk``."""
+
+    unit: int
+    chunk: int
+    start: int
+    stop: int
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, tag_field="op"):
+    rid: int
+
+
+# --- handshake (both servers) ---
+class Hello(_Msg, frozen=True, tag="hello"):
+    protocol: int
+    role: str = "client"
+
+
+class Welcome(_Msg, frozen=True, tag="welcome"):
+    protocol: int
+    server: str
+    max_message_bytes: int
+    units: list[str] = []
+
+
+# --- controller requests ---
+class RegisterUnit(_Msg, frozen=True, tag="register_unit"):
+    address: str
+
+
+class CreatePartition(_Msg, frozen=True, tag="create_partition"):
+    partition: str
+    fields: list[str] = []
+
+
+class PreparePut(_Msg, frozen=True, tag="prepare_put"):
+    partition: str
+    n_rows: int
+    schemas: dict[str, FieldSchema]
+    nbytes: int
+    keys: list[str] | None = None
+    groups: list[str | None] | None = None
+    group_size: int | None = None
+    version: int | None = None
+
+
+class PrepareFields(_Msg, frozen=True, tag="prepare_fields"):
+    partition: str
+    row_ids: list[int]
+    schemas: dict[str, FieldSchema]
+    nbytes: int
+
+
+class CommitPut(_Msg, frozen=True, tag="commit_put"):
+    put_id: int
+
+
+class AbortPut(_Msg, frozen=True, tag="abort_put"):
+    put_id: int
+
+
+class GetMeta(_Msg, frozen=True, tag="get_meta"):
+    partition: str
+    fields: list[str]
+    batch_size: int
+    task: str
+    whole_groups: bool = False
+    lease_timeout: float | None = None
+    timeout: float | None = None
+
+
+class GetByKeys(_Msg, frozen=True, tag="get_by_keys"):
+    partition: str
+    keys: list[str]
+    fields: list[str] | None = None
+
+
+class ListKeys(_Msg, frozen=True, tag="list_keys"):
+    partition: str
+
+
+class Ack(_Msg, frozen=True, tag="ack"):
+    partition: str
+    task: str
+    lease_id: int
+    row_ids: list[int]
+
+
+class Release(_Msg, frozen=True, tag="release"):
+    partition: str
+    task: str
+    lease_id: int
+    row_ids: list[int]
+
+
+class ClearSamples(_Msg, frozen=True, tag="clear_samples"):
+    partition: str
+    row_ids: list[int]
+
+
+class ClearPartition(_Msg, frozen=True, tag="clear_partition"):
+    partition: str
+
+
+class GetStats(_Msg, frozen=True, tag="get_stats"):
+    partition: str | None = None
+
+
+# --- storage requests ---
+class Store(_Msg, frozen=True, tag="store"):
+    partition: str
+    chunk: int
+    row_ids: list[int]
+    columns: list[ColumnRef]
+
+
+class Fetch(_Msg, frozen=True, tag="fetch"):
+    partition: str
+    row_ids: list[int]
+    fields: list[str]
+
+
+class DropRows(_Msg, frozen=True, tag="drop_rows"):
+    partition: str
+    row_ids: list[int]
+
+
+class DropChunks(_Msg, frozen=True, tag="drop_chunks"):
+    chunks: list[int]
+
+
+class DropPartition(_Msg, frozen=True, tag="drop_partition"):
+    partition: str
+
+
+class GetUnitStats(_Msg, frozen=True, tag="get_unit_stats"):
+    pass
+
+
+Request = (
+    Hello
+    | RegisterUnit
+    | CreatePartition
+    | PreparePut
+    | PrepareFields
+    | CommitPut
+    | AbortPut
+    | GetMeta
+    | GetByKeys
+    | ListKeys
+    | Ack
+    | Release
+    | ClearSamples
+    | ClearPartition
+    | GetStats
+    | Store
+    | Fetch
+    | DropRows
+    | DropChunks
+    | DropPartition
+    | GetUnitStats
+)
+
+
+# --- replies ---
+class Ok(_Msg, frozen=True, tag="ok"):
+    count: int = 0
+
+
+class ErrorReply(_Msg, frozen=True, tag="error"):
+    """A failure; the client raises ``tqstream.errors.error_class(code)(message, **details)``."""
+
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+
+
+class Registered(_Msg, frozen=True, tag="registered"):
+    unit: int
+
+
+class PutPlan(_Msg, frozen=True, tag="put_plan"):
+    put_id: int
+    row_ids: list[int]
+    segments: list[PlanSegment]
+
+
+class FieldsPlan(_Msg, frozen=True, tag="fields_plan"):
+    """``put_fields`` placement: the rows of ``segments[i]`` are ``positions[i]`` of the batch."""
+
+    put_id: int
+    segments: list[PlanSegment]
+    positions: list[list[int]]
+
+
+class MetaReply(_Msg, frozen=True, tag="meta"):
+    meta: BatchMeta
+
+
+class KeysReply(_Msg, frozen=True, tag="keys"):
+    keys: list[str]
+
+
+class StatsReply(_Msg, frozen=True, tag="stats"):
+    stats: Stats
+
+
+class Columns(_Msg, frozen=True, tag="columns"):
+    columns: list[ColumnRef]
+
+
+class UnitStatsReply(_Msg, frozen=True, tag="unit_stats"):
+    stats: UnitStats
+
+
+Reply = (
+    Ok
+    | ErrorReply
+    | Welcome
+    | Registered
+    | PutPlan
+    | FieldsPlan
+    | MetaReply
+    | KeysReply
+    | StatsReply
+    | Columns
+    | UnitStatsReply
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes | memoryview) -> Any:
+    """Decode frame 0 of a request; raises ``msgspec.DecodeError`` / ``ValidationError``."""
+    return _request_decoder.decode(data)
+
+
+def decode_reply(data: bytes | memoryview) -> Any:
+    return _reply_decoder.decode(data)

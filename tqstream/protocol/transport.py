@@ -1,0 +1,563 @@
+"""ZMQ transport: one ROUTER socket per server, one DEALER socket per client connection.
+
+Many requests share one socket: each request carries a fresh ``rid`` and its reply echoes it, so
+replies may come back in any order (a parked ``get_meta`` is passed by later requests). Frame 0 of
+a message is the msgpack header (:mod:`tqstream.protocol.messages`); frames 1..n are tensor buffers,
+sent without copying from 64 KiB up (pyzmq's ``copy_threshold``) and received as ``zmq.Frame``\\ s
+whose memory the caller may keep (the storage unit stores received frames as they are).
+
+Failure handling is the point of this module. A server survives anything a peer sends: every
+per-message step is guarded, and a bad message gets an ``ErrorReply`` rather than silence. A client
+never waits forever on a dead server: ZMQ would silently reconnect and the reply would be lost, so a
+monitor fails every pending request with ``ConnectionLostError`` when the TCP connection drops
+(heartbeats turn a silent peer into a drop), and a request made while the connection is down waits
+at most ``connect_timeout`` for ZMQ to reconnect. Everything runs on the caller's asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from tqstream.errors import (
+    ClosedError,
+    ConnectError,
+    ConnectionLostError,
+    InternalError,
+    MalformedMessageError,
+    MessageTooLargeError,
+    ProtocolVersionError,
+    RequestTimeoutError,
+    TQStreamError,
+    error_class,
+)
+from tqstream.protocol.messages import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Hello,
+    Welcome,
+    decode_reply,
+    decode_request,
+    encode,
+)
+
+__all__ = ["Connection", "Handler", "HandlerResult", "Responder", "Server"]
+
+MiB = 1 << 20
+HandlerResult = Any | tuple[Any, Sequence[Any]] | Awaitable[Any] | None
+Handler = Callable[[Any, list[zmq.Frame], "Responder"], HandlerResult]
+
+
+def _op(msg: msgspec.Struct) -> str:
+    return str(msg.__struct_config__.tag)
+
+
+def _nbytes(buf: Any) -> int:
+    return memoryview(getattr(buf, "buffer", buf)).nbytes
+
+
+def _peek(header: Any) -> dict[Any, Any]:
+    """Frame 0 decoded as plain msgpack: recovers ``rid``/``op`` of a message that failed typing."""
+    try:
+        value = msgspec.msgpack.decode(header)
+    except Exception:  # garbage, or nested deeper than the decoder allows
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _rid_of(fields: dict[Any, Any]) -> int:
+    rid = fields.get("rid")
+    return rid if type(rid) is int and 0 <= rid < 1 << 64 else 0
+
+
+def _plain(value: Any) -> Any:
+    """``details`` made msgpack-able: basic values kept, containers walked, the rest as ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+def _version_error(
+    ours: Any, role: str, server: str, address: str, theirs: Any = PROTOCOL_VERSION
+) -> ProtocolVersionError:
+    return ProtocolVersionError(
+        f"protocol mismatch: the {role} speaks tqstream protocol {ours}, the {server} server at "
+        f"{address} speaks protocol {theirs}; install the same tqstream version on both sides",
+        client_protocol=ours,
+        server_protocol=theirs,
+    )
+
+
+# --- server ---
+class Responder:
+    """The way back to one request: (peer identity, rid). A handler that returns None keeps it and
+    answers later (a parked request); it stays valid until the server closes, after which answers
+    are dropped (the peer's connection fails on its own). Answering twice is a bug and raises."""
+
+    __slots__ = ("_identity", "_server", "answered", "op", "rid")
+
+    def __init__(self, server: Server, identity: bytes, rid: int, op: str) -> None:
+        self._server, self._identity, self.rid, self.op = server, identity, rid, op
+        self.answered = False
+
+    def reply(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
+        if self.answered:
+            raise InternalError(f"{self.op} (request {self.rid}) was answered twice")
+        if msg.rid != self.rid:
+            msg = msgspec.structs.replace(msg, rid=self.rid)
+        self._server._send(self._identity, msg, buffers)
+        self.answered = True
+
+    def fail(self, exc: BaseException) -> None:
+        """Answer with ``exc`` as an ``ErrorReply``: a TQStreamError travels as its own class,
+        anything else as ``InternalError`` naming the exception."""
+        if isinstance(exc, TQStreamError):
+            code, text, details = exc.code, exc.message, _plain(exc.details)
+        else:
+            kind = type(exc).__name__
+            code, details = InternalError.code, {"exception": kind}
+            text = f"the {self._server.name} server failed on {self.op} (request {self.rid}): "
+            text += f"{kind}: {exc}"
+        self.reply(ErrorReply(rid=self.rid, code=code, message=text, details=details))
+
+
+class Server:
+    """A ROUTER socket bound at construction (so ``address`` is known before ``serve``) and a
+    receive loop that hands each request to ``handler`` in arrival order, on the caller's loop."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        host: str,
+        port: int,
+        handler: Handler,
+        *,
+        name: str,
+        max_message_bytes: int,
+        units: Callable[[], list[str]] = lambda: [],
+    ) -> None:
+        self.name = name
+        self.max_message_bytes = max_message_bytes
+        self._handler = handler
+        self._units = units
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped
+            sock.setsockopt(zmq.SNDHWM, 0)  # at a full pipe ROUTER drops replies: never let it
+            # libzmq drops a peer that sends a frame over this, before it is ever buffered
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + MiB)
+            sock.bind(f"tcp://{host}:{port}")
+            self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise OSError(
+                exc.errno, f"the {name} server cannot bind tcp://{host}:{port}: {exc.strerror}"
+            ) from exc
+        self._sock = sock
+
+    async def serve(self) -> None:
+        """Serve until ``close()``; then return. Raises only what breaks the server itself (never
+        something a peer sent), e.g. a handler bug that answered a request twice."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            return
+        if self._loop_task is not None:
+            raise RuntimeError(f"the {self.name} server is already serving")
+        task = self._loop_task = asyncio.get_running_loop().create_task(
+            self._receive(), name=f"tqstream-{self.name}-receive"
+        )
+        try:
+            await asyncio.wait({task})
+        finally:
+            task.cancel()  # when serve() itself was cancelled
+        if self._failure is not None:
+            raise self._failure
+        if not task.cancelled() and task.exception() is not None and not self._closed:
+            raise task.exception()  # type: ignore[misc]
+
+    async def close(self) -> None:
+        """Stop receiving, cancel in-flight handler tasks, close the socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        current = asyncio.current_task()
+        tasks = [t for t in (*self._tasks, self._loop_task) if t is not None and t is not current]
+        for t in tasks:
+            t.cancel()
+        self._sock.close(linger=0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        """Handle one message; whatever goes wrong becomes an ``ErrorReply`` to its sender."""
+        identity, payload = frames[0].bytes, frames[1:]
+        responder = Responder(self, identity, 0, "request")
+        try:
+            if not payload:
+                raise MalformedMessageError(
+                    "the message has no frames after the peer identity; "
+                    "frame 0 must be a msgpack-encoded tqstream request"
+                )
+            header = payload[0].buffer
+            size = sum(len(f) for f in payload)
+            if size > self.max_message_bytes:
+                fields = _peek(header)
+                responder.rid, responder.op = _rid_of(fields), str(fields.get("op", "request"))
+                raise MessageTooLargeError(
+                    f"{responder.op} message of {size} bytes exceeds the {self.name} server's "
+                    f"max_message_bytes of {self.max_message_bytes}; split the batch into smaller "
+                    f"ones or raise max_message_bytes on both sides",
+                    nbytes=size,
+                    max_message_bytes=self.max_message_bytes,
+                )
+            msg = self._decode(header, responder)
+            responder.rid, responder.op = msg.rid, _op(msg)
+            if isinstance(msg, Hello):
+                responder.reply(self._welcome(msg))
+                return
+            self._deliver(responder, self._handler(msg, payload, responder))
+        except Exception as exc:
+            self._answer_error(responder, exc)
+
+    def _decode(self, header: memoryview, responder: Responder) -> Any:
+        try:
+            return decode_request(header)
+        except Exception as exc:  # msgspec.DecodeError / ValidationError, or nesting too deep
+            fields = _peek(header)
+            responder.rid = _rid_of(fields)
+            theirs = fields.get("protocol")
+            if fields.get("op") == "hello" and theirs != PROTOCOL_VERSION:
+                raise _version_error(
+                    theirs, str(fields.get("role", "client")), self.name, self.address
+                ) from None
+            raise MalformedMessageError(
+                f"request frame 0 ({header.nbytes} bytes) is not a tqstream protocol "
+                f"{PROTOCOL_VERSION} request: {exc}",
+                nbytes=header.nbytes,
+            ) from None
+
+    def _welcome(self, hello: Hello) -> Welcome:
+        if hello.protocol != PROTOCOL_VERSION:
+            raise _version_error(hello.protocol, hello.role, self.name, self.address)
+        return Welcome(
+            rid=hello.rid,
+            protocol=PROTOCOL_VERSION,
+            server=self.name,
+            max_message_bytes=self.max_message_bytes,
+            units=list(self._units()),
+        )
+
+    def _deliver(self, responder: Responder, result: HandlerResult) -> None:
+        if result is None:  # parked: the handler answers through the responder later
+            return
+        if inspect.isawaitable(result):
+            task = asyncio.get_running_loop().create_task(
+                self._finish(responder, result),
+                name=f"tqstream-{self.name}-{responder.op}-{responder.rid}",
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+            return
+        if isinstance(result, tuple):
+            reply, buffers = result
+            responder.reply(reply, buffers)
+        else:
+            responder.reply(result)
+
+    async def _finish(self, responder: Responder, awaitable: Awaitable[Any]) -> None:
+        try:
+            self._deliver(responder, await awaitable)
+        except Exception as exc:
+            self._answer_error(responder, exc)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._fatal(task.exception())  # type: ignore[arg-type]
+
+    def _answer_error(self, responder: Responder, exc: BaseException) -> None:
+        """Send ``exc`` to the requester; a failure that cannot go there (the request was already
+        answered, or even an error reply cannot be sent) is a server bug and ends ``serve()``."""
+        if responder.answered:
+            self._fatal(exc)
+            return
+        try:
+            responder.fail(exc)
+        except Exception as bug:
+            self._fatal(bug)
+
+    def _fatal(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+
+    def _send(self, identity: bytes, msg: Any, buffers: Sequence[Any]) -> None:
+        if self._closed:
+            return
+        # copy=False: pyzmq still copies frames under its copy_threshold (64 KiB)
+        sent: Any = self._sock.send_multipart([identity, encode(msg), *buffers], copy=False)
+        # with SNDHWM 0 a ROUTER send completes at once; result() raises what went wrong (e.g. a
+        # buffer that is not a buffer) to the code that answered
+        sent.result()
+
+
+# --- client ---
+class Connection:
+    """One DEALER socket to one server, a reader task that matches replies to requests by ``rid``
+    and a monitor task that watches the TCP connection. Open with :meth:`open` and keep it for the
+    peer's lifetime: ZMQ reconnects by itself, so a request made after a drop is sent normally; if
+    the server is not back within ``connect_timeout`` it fails rather than waiting forever."""
+
+    welcome: Welcome
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        role: str,
+        connect_timeout: float,
+        heartbeat_interval: float,
+        max_message_bytes: int,
+    ) -> None:
+        self.address, self.role = address, role
+        self.max_message_bytes = max_message_bytes
+        self._limit = max_message_bytes  # min(ours, the server's) once welcomed
+        self._connect_timeout = connect_timeout
+        self._rids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        self._grace: dict[int, asyncio.TimerHandle] = {}  # requests sent while the link is down
+        self._down = False
+        self._closed = False
+        self._broken: BaseException | None = None
+        sock = ctx.socket(zmq.DEALER)
+        ivl = max(1, round(heartbeat_interval * 1000))
+        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # requests queue while (re)connecting, never block
+            sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, min(3 * ivl, 6_553_500))  # lets the server drop us
+            monitor = sock.get_monitor_socket(events)  # before connect(): no event can be missed
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as exc:
+                monitor.close(linger=0)
+                raise ConnectError(
+                    f"cannot connect to {address!r}: {exc.strerror}; an address looks like "
+                    f"tcp://HOST:PORT",
+                    address=address,
+                ) from exc
+        except BaseException:
+            sock.close(linger=0)  # ends the monitor too
+            raise
+        self._sock, self._monitor = sock, monitor
+        loop = asyncio.get_running_loop()
+        name = f"tqstream-{role}-{{}}-{address}"
+        self._reader = loop.create_task(self._guard(self._read()), name=name.format("reader"))
+        self._watcher = loop.create_task(self._guard(self._watch()), name=name.format("monitor"))
+
+    @classmethod
+    async def open(
+        cls,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        *,
+        role: str = "client",
+        connect_timeout: float,
+        heartbeat_interval: float,
+        max_message_bytes: int,
+    ) -> Connection:
+        """Connect and handshake (``Hello`` → ``Welcome``) within ``connect_timeout``; never hangs,
+        and closes the socket on any failure."""
+        conn = cls(ctx, address, role, connect_timeout, heartbeat_interval, max_message_bytes)
+        try:
+            hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role)
+            try:
+                reply, _ = await conn.request(hello, timeout=connect_timeout)
+            except (RequestTimeoutError, ConnectionLostError):
+                raise ConnectError(
+                    f"no tqstream server answered at {address} within {connect_timeout}s; check "
+                    f"the address and that the server (tqstream-launch or tqstream.init) is "
+                    f"running",
+                    address=address,
+                    timeout=connect_timeout,
+                ) from None
+            if not isinstance(reply, Welcome):
+                raise InternalError(f"{address} answered hello with {_op(reply)}, not welcome")
+            if reply.protocol != PROTOCOL_VERSION:
+                raise _version_error(PROTOCOL_VERSION, role, reply.server, address, reply.protocol)
+        except BaseException:
+            await conn.close()
+            raise
+        conn.welcome = reply
+        conn._limit = min(max_message_bytes, reply.max_message_bytes)
+        return conn
+
+    async def request(
+        self, msg: msgspec.Struct, buffers: Sequence[Any] = (), *, timeout: float | None
+    ) -> tuple[Any, list[zmq.Frame]]:
+        """Send ``msg`` (its ``rid`` is replaced) and the buffers; return the reply and all its
+        frames (frame 0 included, as ``BufferRef.frame`` counts). ``timeout=None`` waits until the
+        reply, a lost connection or ``close()``; an ``ErrorReply`` is raised as its error class."""
+        if self._closed:
+            raise ClosedError(f"the connection to {self.address} is closed; open a new one")
+        if self._broken is not None:
+            raise InternalError(
+                f"the connection to {self.address} is unusable: "
+                f"{type(self._broken).__name__}: {self._broken}"
+            ) from self._broken
+        rid = next(self._rids)
+        msg = msgspec.structs.replace(msg, rid=rid)
+        op, header = _op(msg), encode(msg)
+        size = len(header) + sum(_nbytes(b) for b in buffers)
+        if size > self._limit:
+            theirs = self.welcome.max_message_bytes if hasattr(self, "welcome") else "unknown"
+            raise MessageTooLargeError(
+                f"{op} message of {size} bytes exceeds the limit of {self._limit} bytes "
+                f"(max_message_bytes is {self.max_message_bytes} on this {self.role} and {theirs} "
+                f"on the server at {self.address}); split the batch into smaller ones or raise "
+                f"max_message_bytes on both sides",
+                nbytes=size,
+                max_message_bytes=self._limit,
+            )
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._pending[rid] = (fut, op)
+        if self._down:  # queued until ZMQ reconnects: wait for that at most connect_timeout
+            self._grace[rid] = loop.call_later(self._connect_timeout, self._unreachable, rid)
+        try:
+            await self._sock.send_multipart([header, *buffers], copy=False)
+            reply, frames = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            if not fut.cancelled():  # a TimeoutError the future failed with, not wait_for's
+                raise
+            raise RequestTimeoutError(
+                f"no reply to {op} (request {rid}) from the server at {self.address} within "
+                f"{timeout}s; the server is busy or stuck, or the timeout is too short",
+                op=op,
+                address=self.address,
+                timeout=timeout,
+            ) from None
+        finally:
+            self._pending.pop(rid, None)
+            grace = self._grace.pop(rid, None)
+            if grace is not None:
+                grace.cancel()
+        if isinstance(reply, ErrorReply):
+            cls = error_class(reply.code)
+            try:
+                exc = cls(reply.message, **reply.details)
+            except TypeError:  # details that clash with the constructor's own parameters
+                exc = cls(reply.message)
+            raise exc
+        return reply, frames
+
+    async def close(self) -> None:
+        """Fail pending requests with ``ClosedError``, stop both tasks, close the sockets.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(
+            ClosedError, "the connection to {address} was closed while waiting for {what}"
+        )
+        tasks = [self._reader, self._watcher]
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _guard(self, body: Awaitable[None]) -> None:
+        """A background loop that dies takes the connection down with it: every pending and every
+        later request raises the error instead of waiting for a reply nobody will match."""
+        try:
+            await body
+        except Exception as exc:
+            error = self._broken = self._broken or exc
+            for fut, _ in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(error)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            header = frames[0].buffer
+            try:
+                reply = decode_reply(header)
+            except Exception as exc:
+                rid = _rid_of(_peek(header))
+                fut, op = self._pending.get(rid, (None, ""))
+                if fut is not None and not fut.done():
+                    text = f"the reply from {self.address} to {op} (request {rid}) is not a "
+                    text += f"tqstream protocol {PROTOCOL_VERSION} reply: {exc}"
+                    fut.set_exception(MalformedMessageError(text))
+                continue  # without a known rid nobody waits for it
+            entry = self._pending.get(reply.rid)
+            if entry is not None and not entry[0].done():  # else: late (timed out) or unknown
+                entry[0].set_result((reply, frames))
+
+    async def _watch(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_MONITOR_STOPPED:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._down = False
+                for grace in self._grace.values():
+                    grace.cancel()
+                self._grace.clear()
+            elif event == zmq.EVENT_DISCONNECTED:  # the pending replies died with the connection
+                self._down = True
+                self._fail_all(ConnectionLostError, _LOST)
+
+    def _unreachable(self, rid: int) -> None:
+        self._grace.pop(rid, None)
+        if self._down:
+            self._fail_all(ConnectionLostError, _DOWN, only=rid)
+
+    def _fail_all(self, cls: type[TQStreamError], text: str, only: int | None = None) -> None:
+        for rid, (fut, op) in list(self._pending.items()):
+            if not fut.done() and only in (None, rid):
+                what, timeout = f"{op} (request {rid})", self._connect_timeout
+                message = text.format(address=self.address, what=what, timeout=timeout)
+                fut.set_exception(cls(message, address=self.address, op=op, rid=rid))
+
+
+_LOST = (
+    "connection to {address} lost while waiting for {what}; the server may have died; the request "
+    "may or may not have taken effect: retry once the server is back (the connection reconnects "
+    "by itself)"
+)
+_DOWN = (
+    "connection to {address} is down and no server came back within {timeout}s (connect_timeout) "
+    "to answer {what}; the server may have died: retry once it is back (the connection reconnects "
+    "by itself)"
+)

@@ -1,0 +1,303 @@
+"""The column store of a storage unit: pure state, no I/O.
+
+Data stays columnar: a *chunk* is what one ``Store`` carried, one contiguous :class:`Column` per
+field for the chunk's rows, usually aliasing the received zmq frames. Chunks are never compacted or
+rewritten, so a row's position inside its chunk is stable and a run of rows that sit in order in
+one chunk is served as a zero-copy slice. Different chunks may hold different fields of one row (a
+``put`` wrote its first fields, a ``put_fields`` added one later).
+
+Memory: a chunk is released, with every frame it pins, when its *last* live row is dropped; until
+then its whole size counts in :attr:`ColumnStore.bytes`. The per-row index below is metadata only
+(dicts of row id -> chunk), so every operation costs O(rows touched x fields), never O(partition).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from tqstream.errors import (
+    BatchShapeError,
+    FieldExistsError,
+    InvalidRequestError,
+    SchemaError,
+    UnknownRowError,
+)
+from tqstream.protocol.codec import Column, torch_dtype
+from tqstream.types import FieldSchema
+
+__all__ = ["ColumnStore"]
+
+_SHOWN = 5  # row ids quoted in an error message
+
+
+def _some(ids: Sequence[int]) -> str:
+    return ", ".join(map(str, ids[:_SHOWN])) + (", ..." if len(ids) > _SHOWN else "")
+
+
+class _Chunk:
+    __slots__ = ("columns", "id", "nbytes", "partition", "positions")
+
+    def __init__(
+        self, chunk_id: int, partition: str, row_ids: Sequence[int], columns: dict[str, Column]
+    ) -> None:
+        self.id = chunk_id
+        self.partition = partition
+        self.columns = columns
+        self.nbytes = sum(col.nbytes for col in columns.values())
+        self.positions = {row: i for i, row in enumerate(row_ids)}  # live rows only
+
+
+class _Partition:
+    __slots__ = ("chunks", "fields", "rows", "schemas")
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, _Chunk] = {}
+        self.fields: dict[str, dict[int, _Chunk]] = {}  # field -> row -> the chunk holding it
+        self.rows: dict[int, list[_Chunk]] = {}  # row -> every chunk holding one of its fields
+        self.schemas: dict[str, FieldSchema] = {}  # of fields with live rows
+
+
+_TOMBSTONES = 100_000
+"""How many ids of chunks dropped before arrival are remembered (ids are never reused)."""
+
+
+class ColumnStore:
+    """Chunks of columns per partition, addressed by controller-assigned row and chunk ids."""
+
+    def __init__(self) -> None:
+        self._partitions: dict[str, _Partition] = {}
+        self._chunks: dict[int, _Chunk] = {}
+        self._bytes = 0
+        # Chunks dropped before they arrived: an aborted put's Store can still be in flight when
+        # the controller's drop order lands, and must not be stored when it arrives.
+        self._tombstones: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the live chunks (a chunk counts whole until its last row is dropped)."""
+        return self._bytes
+
+    @property
+    def chunks(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def rows(self) -> int:
+        """Rows with at least one field held, over all partitions."""
+        return sum(len(part.rows) for part in self._partitions.values())
+
+    def add_chunk(
+        self, partition: str, chunk_id: int, row_ids: Sequence[int], columns: Mapping[str, Column]
+    ) -> None:
+        """Store one chunk; everything is checked before anything changes (all or nothing)."""
+        where = f"chunk {chunk_id} of partition {partition!r}"
+        if chunk_id in self._tombstones:
+            raise InvalidRequestError(
+                f"{where} arrived after its put was rolled back (aborted, not committed within "
+                "put_timeout, or its partition cleared); nothing was stored, put the data again",
+                chunk=chunk_id,
+            )
+        if chunk_id in self._chunks:
+            raise InvalidRequestError(
+                f"{where}: chunk id {chunk_id} is already stored; chunk ids are unique per put "
+                "segment, so the same Store must not be applied twice",
+                chunk=chunk_id,
+            )
+        n = len(row_ids)
+        if n == 0 or not columns:
+            raise BatchShapeError(
+                f"{where} is empty ({n} rows, {len(columns)} fields); a chunk "
+                "needs at least one row and one field",
+                chunk=chunk_id,
+            )
+        if len(set(row_ids)) != n:
+            dups = [row for row, count in Counter(row_ids).items() if count > 1]
+            raise InvalidRequestError(
+                f"{where} lists row ids more than once ({_some(dups)}); "
+                "each row appears once per chunk",
+                chunk=chunk_id,
+            )
+        part = self._partitions.get(partition)
+        for name, col in columns.items():
+            if col.n_rows != n:
+                raise BatchShapeError(
+                    f"{where}: column {name!r} has {col.n_rows} rows but the chunk lists {n} row "
+                    "ids; every column of a chunk has one entry per row",
+                    chunk=chunk_id,
+                    field=name,
+                )
+            if part is None:
+                continue
+            schema = part.schemas.get(name)
+            if schema is not None and schema != col.schema:
+                raise SchemaError(
+                    f"{where}: field {name!r} is stored as {schema.describe()}, the chunk offers "
+                    f"{col.schema.describe()}; write the field with its existing schema",
+                    field=name,
+                )
+            held = part.fields.get(name, {})
+            clash = [r for r in row_ids if r in held]
+            if clash:
+                raise FieldExistsError(
+                    f"{where}: field {name!r} is already stored for {len(clash)} of its {n} rows "
+                    f"(row ids {_some(clash)}); a field is written once per row, put_fields may "
+                    "only add fields the rows do not have yet",
+                    field=name,
+                    rows=clash[:_SHOWN],
+                )
+        part = self._partitions.setdefault(partition, _Partition())
+        chunk = _Chunk(chunk_id, partition, row_ids, dict(columns))
+        for name, col in columns.items():
+            part.schemas[name] = col.schema
+            part.fields.setdefault(name, {}).update(dict.fromkeys(row_ids, chunk))
+        for row in row_ids:
+            part.rows.setdefault(row, []).append(chunk)
+        part.chunks[chunk_id] = chunk
+        self._chunks[chunk_id] = chunk
+        self._bytes += chunk.nbytes
+
+    def fetch(
+        self, partition: str, row_ids: Sequence[int], fields: Sequence[str]
+    ) -> dict[str, Column]:
+        """Per field, a column of ``row_ids`` in that order.
+
+        Rows that sit in order in one chunk come back as a zero-copy slice of it (sharing its
+        memory: read-only); any other batch is gathered with one copy per chunk run plus a concat.
+        """
+        part = self._partitions.get(partition)
+        out: dict[str, Column] = {}
+        for name in fields:
+            held = part.fields.get(name) if part is not None else None
+            if not held:
+                raise self._unknown(partition, name, list(row_ids), len(row_ids))
+            chunks = [held.get(r) for r in row_ids]
+            if None in chunks:
+                missing = [r for r, c in zip(row_ids, chunks, strict=True) if c is None]
+                raise self._unknown(partition, name, missing, len(row_ids))
+            assert part is not None
+            out[name] = _gather(name, part.schemas[name], row_ids, chunks)  # type: ignore[arg-type]
+        return out
+
+    def drop_rows(self, partition: str, row_ids: Iterable[int]) -> int:
+        """Drop every field of the rows; rows not held are ignored. Returns the rows dropped."""
+        part = self._partitions.get(partition)
+        if part is None:
+            return 0
+        dropped = 0
+        for row in dict.fromkeys(row_ids):
+            chunks = part.rows.pop(row, None)
+            if chunks is None:
+                continue
+            dropped += 1
+            for chunk in chunks:
+                self._unindex(part, chunk, row)
+                if not chunk.positions:
+                    self._release(part, chunk)
+        return dropped
+
+    def drop_chunks(self, chunk_ids: Iterable[int]) -> None:
+        """Remove whole chunks (an aborted put); other chunks of the same rows stay."""
+        for chunk_id in chunk_ids:
+            chunk = self._chunks.get(chunk_id)
+            if chunk is None:
+                self._tombstones[chunk_id] = None
+                if len(self._tombstones) > _TOMBSTONES:
+                    self._tombstones.popitem(last=False)
+                continue
+            part = self._partitions[chunk.partition]
+            for row in list(chunk.positions):
+                self._unindex(part, chunk, row)
+                chunks = part.rows[row]
+                chunks.remove(chunk)
+                if not chunks:
+                    del part.rows[row]
+            self._release(part, chunk)
+
+    def drop_partition(self, partition: str) -> None:
+        part = self._partitions.pop(partition, None)
+        if part is not None:
+            for chunk in part.chunks.values():
+                del self._chunks[chunk.id]
+                self._bytes -= chunk.nbytes
+
+    # --- internals --------------------------------------------------------------------------------
+    def _unindex(self, part: _Partition, chunk: _Chunk, row: int) -> None:
+        del chunk.positions[row]
+        for name in chunk.columns:
+            held = part.fields[name]
+            del held[row]
+            if not held:  # no live row has the field: forget its schema
+                del part.fields[name], part.schemas[name]
+
+    def _release(self, part: _Partition, chunk: _Chunk) -> None:
+        del self._chunks[chunk.id], part.chunks[chunk.id]
+        self._bytes -= chunk.nbytes
+        if not part.chunks:  # nothing left: forget the partition (its index is empty too)
+            self._partitions.pop(chunk.partition, None)
+
+    def _unknown(
+        self, partition: str, name: str, missing: list[int], asked: int
+    ) -> UnknownRowError:
+        if not missing:
+            problem = f"no row of partition {partition!r} has field {name!r}"
+        else:
+            problem = (
+                f"{len(missing)} of the {asked} requested rows of partition {partition!r} "
+                f"(row ids {_some(missing)}) have no field {name!r}"
+            )
+        return UnknownRowError(
+            f"{problem} on this storage unit: they were cleared (or never written) after the "
+            "metadata was obtained; fetch fresh metadata with get_meta or get_by_keys",
+            partition=partition,
+            field=name,
+            missing=len(missing),
+            rows=missing[:_SHOWN],
+        )
+
+
+def _gather(name: str, schema: FieldSchema, rows: Sequence[int], chunks: list[_Chunk]) -> Column:
+    """The field of ``rows`` (held in ``chunks``) in order, with as few copies as possible.
+
+    Maximal runs of rows of one chunk become a slice when in order (zero copy if it is the only
+    run) or a take. When chunks interleave (many more runs than chunks), one take per chunk, a
+    concat and a final reordering take keep the work O(chunks) torch calls instead of O(rows).
+    """
+    if not rows:
+        return _empty(schema)
+    runs: list[tuple[_Chunk, int, int]] = []  # (chunk, start, stop) over batch positions
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or chunks[i] is not chunks[start]:
+            runs.append((chunks[start], start, i))
+            start = i
+    if len(runs) > 2 * len({id(chunk) for chunk, _, _ in runs}):
+        by_chunk: dict[_Chunk, list[int]] = {}  # chunk -> its batch positions, in batch order
+        for chunk, lo, hi in runs:
+            by_chunk.setdefault(chunk, []).extend(range(lo, hi))
+        parts = [
+            c.columns[name].take([c.positions[rows[b]] for b in batch])
+            for c, batch in by_chunk.items()
+        ]
+        order = torch.tensor([b for batch in by_chunk.values() for b in batch], dtype=torch.int64)
+        return Column.concat(parts).take(torch.argsort(order))
+    parts = []
+    for chunk, lo, hi in runs:
+        positions = [chunk.positions[r] for r in rows[lo:hi]]
+        first, col = positions[0], chunk.columns[name]
+        if positions == list(range(first, first + len(positions))):
+            parts.append(col.slice(first, first + len(positions)))
+        else:
+            parts.append(col.take(positions))
+    return Column.concat(parts)
+
+
+def _empty(schema: FieldSchema) -> Column:
+    if schema.kind == "object":
+        return Column(schema, torch.empty(0, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64))
+    values = torch.empty((0, *schema.shape), dtype=torch_dtype(schema.dtype))
+    return Column(
+        schema, values, None if schema.kind == "dense" else torch.zeros(1, dtype=torch.int64)
+    )

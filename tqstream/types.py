@@ -1,0 +1,126 @@
+"""Public value types shared by the client, the controller and the storage units.
+
+They are frozen ``msgspec.Struct`` s so the same objects travel on the wire unchanged: a
+:class:`BatchMeta` returned by ``get_meta`` is exactly what the controller sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "BatchMeta",
+    "FieldSchema",
+    "PartitionStats",
+    "Stats",
+    "TaskStats",
+    "UnitStats",
+]
+
+FieldKind = Literal["dense", "ragged", "object"]
+ObjectType = Literal["str", "bytes", "json"]
+
+
+class FieldSchema(msgspec.Struct, frozen=True):
+    """The schema of a field, fixed by its first write.
+
+    ``dense``: every row is a tensor of ``shape`` and ``dtype`` (a torch dtype name, ``"int64"``).
+    ``ragged``: every row is a tensor ``[L_i, *shape]``; the first dimension varies per row.
+    ``object``: every row is a Python value; ``dtype`` is ``"str"``, ``"bytes"`` or ``"json"``.
+    """
+
+    kind: FieldKind
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        if self.kind == "object":
+            return f"object<{self.dtype}>"
+        dims = ",".join(str(d) for d in self.shape)
+        if self.kind == "ragged":
+            dims = "*" + ("," + dims if dims else "")
+        return f"{self.kind} {self.dtype}[{dims}]"
+
+
+class BatchMeta(msgspec.Struct, frozen=True):
+    """Metadata of a batch of rows of one partition, in batch order.
+
+    Returned by ``put`` (the rows it created), ``get_meta`` (rows leased to ``task`` under
+    ``lease_id``) and ``get_by_keys`` (no lease). ``row_ids`` and ``units`` are the controller's
+    handles for the rows (which storage unit holds each); ``keys`` are the user-visible identities.
+    A lease is acknowledged with ``ack(meta)``; a sub-batch (``meta.select([...])``) acks only its
+    rows.
+    """
+
+    partition: str
+    row_ids: list[int]
+    keys: list[str]
+    units: list[int]
+    groups: list[str | None]
+    version_start: list[int | None]
+    version_end: list[int | None]
+    fields: list[str]
+    schemas: dict[str, FieldSchema]
+    task: str | None = None
+    lease_id: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def size(self) -> int:
+        return len(self.row_ids)
+
+    def select(self, indices: Sequence[int] | slice) -> BatchMeta:
+        """A sub-batch (same lease) holding the rows at ``indices``."""
+        idx = list(range(len(self.row_ids)))[indices] if isinstance(indices, slice) else indices
+        return BatchMeta(
+            partition=self.partition,
+            row_ids=[self.row_ids[i] for i in idx],
+            keys=[self.keys[i] for i in idx],
+            units=[self.units[i] for i in idx],
+            groups=[self.groups[i] for i in idx],
+            version_start=[self.version_start[i] for i in idx],
+            version_end=[self.version_end[i] for i in idx],
+            fields=list(self.fields),
+            schemas=dict(self.schemas),
+            task=self.task,
+            lease_id=self.lease_id,
+        )
+
+
+class TaskStats(msgspec.Struct, frozen=True):
+    """Per consumer task: rows available to it (committed, not leased, not acked), leased, acked."""
+
+    available: int
+    leased: int
+    acked: int
+
+
+class PartitionStats(msgspec.Struct, frozen=True):
+    rows: int
+    fields: dict[str, int]
+    schemas: dict[str, FieldSchema]
+    tasks: dict[str, TaskStats]
+    pending_puts: int = 0
+    parked_requests: int = 0
+
+
+class UnitStats(msgspec.Struct, frozen=True):
+    address: str
+    bytes: int
+    chunks: int
+    rows: int
+    alive: bool = True
+
+
+class Stats(msgspec.Struct, frozen=True):
+    partitions: dict[str, PartitionStats]
+    units: list[UnitStats]
+
+    @property
+    def storage_bytes(self) -> int:
+        return sum(u.bytes for u in self.units)
