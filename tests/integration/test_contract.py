@@ -106,6 +106,12 @@ def test_tasks_are_independent_and_ack_consumes(client: Client, partition: str) 
     assert st.tasks["critic"] == tqstream.TaskStats(available=0, leased=4, acked=0)
 
 
+def test_auto_ack(client: Client, partition: str) -> None:
+    client.put({"x": torch.arange(3)}, partition)
+    assert client.get(partition, "x", 3, "t", auto_ack=True).data["x"].tolist() == [0, 1, 2]
+    assert client.stats(partition).partitions[partition].tasks["t"].acked == 3
+
+
 def test_release_returns_rows_in_their_order(client: Client, partition: str) -> None:
     client.put({"x": torch.arange(6)}, partition)
     first = client.get_meta(partition, "x", 2, "t")
@@ -291,3 +297,38 @@ def test_stats_shape(client: Client, partition: str) -> None:
     assert p.rows == 3 and p.fields["rewards"] == 3
     assert p.schemas["input_ids"].describe() == "ragged int64[*]"
     assert all(u.alive and u.bytes >= 0 for u in st.units)
+
+
+# --- placement over several storage units ---
+def test_large_put_is_split_over_units_and_read_back_in_order(
+    client: Client, partition: str, deployment: tuple[str, str]
+) -> None:
+    rows, width = 160, 1 << 17  # 160 rows × 512 KiB = 80 MiB > the 64 MiB split threshold
+    x = torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, width).contiguous()
+    meta = client.put({"x": x, "i": torch.arange(rows)}, partition)
+    units = len(client.stats().units)
+    assert len(set(meta.units)) == units  # one contiguous run per unit
+    assert meta.units == sorted(meta.units)
+    got = client.get(partition, ["x", "i"], rows, "t")
+    assert torch.equal(got.data["i"], torch.arange(rows))
+    assert torch.equal(got.data["x"], x)
+    client.clear_partition(partition)
+
+
+def test_small_puts_balance_over_units(client: Client, partition: str) -> None:
+    units = len(client.stats().units)
+    metas = [client.put({"x": torch.zeros(4, 256)}, partition) for _ in range(2 * units)]
+    assert {m.units[0] for m in metas} == set(range(units))
+    got = client.get(partition, "x", 8 * units, "t")  # rows from every unit, in put order
+    assert got.meta.row_ids == [r for m in metas for r in m.row_ids]
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_are_moved_to_cpu(client: Client, partition: str) -> None:
+    x = torch.randn(8, 16, device="cuda")
+    rows = [torch.arange(i + 1, device="cuda") for i in range(8)]
+    client.put({"x": x, "r": rows}, partition)
+    td = client.get(partition, ["x", "r"], 8, "t").data
+    assert td["x"].device.type == "cpu" and torch.equal(td["x"], x.cpu())
+    assert torch.equal(td["r"][7], rows[7].cpu())
+    assert torch.equal(td.to("cuda")["x"], x)

@@ -321,8 +321,13 @@ class Client:
         timeout: float | None = None,
         padded: bool = False,
         pad_values: PadValues = 0,
+        auto_ack: bool = False,
     ) -> Batch:
-        """``get_meta`` then ``get_data``; if fetching fails the lease is released."""
+        """``get_meta`` then ``get_data``; if fetching fails the lease is released.
+
+        ``auto_ack=True`` acks the rows once their data is delivered (at-most-once for this
+        task); by default the caller acks after using them (at-least-once).
+        """
         meta = self.get_meta(
             partition,
             fields,
@@ -337,6 +342,8 @@ class Client:
         except BaseException:
             self._release_quietly(meta)
             raise
+        if auto_ack:
+            self.ack(meta)
         return Batch(meta, data, self)
 
     async def async_get(
@@ -351,6 +358,7 @@ class Client:
         timeout: float | None = None,
         padded: bool = False,
         pad_values: PadValues = 0,
+        auto_ack: bool = False,
     ) -> Batch:
         meta = await self.async_get_meta(
             partition,
@@ -366,6 +374,8 @@ class Client:
         except BaseException:
             self._release_quietly(meta)
             raise
+        if auto_ack:
+            await self.async_ack(meta)
         return Batch(meta, data, self)
 
     def _release_quietly(self, meta: BatchMeta) -> None:

@@ -1,0 +1,82 @@
+"""The shape of the tree: import directions, no pickle, a cheap ``import tqstream``."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "tqstream"
+CONTRACTS = {"tqstream.errors", "tqstream.config", "tqstream.types", "tqstream.protocol.messages"}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    return ".".join(p for p in rel.parts if p != "__init__")
+
+
+MODULES = {_module(p): _imports(p) for p in ROOT.rglob("*.py")}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_pickle_anywhere(name: str) -> None:
+    banned = {"pickle", "cloudpickle", "dill", "marshal", "shelve"}
+    assert not {i.split(".")[0] for i in MODULES[name]} & banned
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACTS))
+def test_contracts_import_no_implementation(name: str) -> None:
+    tq = {i for i in MODULES[name] if i.startswith("tqstream")}
+    assert tq <= CONTRACTS, f"{name} imports {tq - CONTRACTS}"
+
+
+def test_controller_and_storage_never_import_each_other() -> None:
+    for name, imports in MODULES.items():
+        if name.startswith("tqstream.controller"):
+            assert not any(i.startswith("tqstream.storage") for i in imports), name
+        if name.startswith("tqstream.storage"):
+            assert not any(i.startswith("tqstream.controller") for i in imports), name
+
+
+def test_pure_state_modules_do_no_io() -> None:
+    pure = [
+        "tqstream.controller.views",
+        "tqstream.controller.partition",
+        "tqstream.controller.placement",
+        "tqstream.controller.state",
+        "tqstream.storage.columns",
+    ]
+    for name in pure:
+        io = {i for i in MODULES[name] if i.split(".")[0] in {"zmq", "asyncio", "socket", "time"}}
+        assert not io, f"{name} imports {io}"
+
+
+def test_import_is_cheap() -> None:
+    code = (
+        "import sys, tqstream; heavy = {'torch', 'zmq', 'ray', 'vllm', 'tensordict', "
+        "'pyarrow'} & set(sys.modules); print(sorted(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_names_resolve() -> None:
+    import tqstream
+
+    assert tqstream.__all__ == sorted(tqstream.__all__)
+    for name in tqstream.__all__:
+        assert getattr(tqstream, name) is not None
