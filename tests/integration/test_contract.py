@@ -303,7 +303,7 @@ def test_stats_shape(client: Client, partition: str) -> None:
 def test_large_put_is_split_over_units_and_read_back_in_order(
     client: Client, partition: str, deployment: tuple[str, str]
 ) -> None:
-    rows, width = 160, 1 << 17  # 160 rows × 512 KiB = 80 MiB > the 64 MiB split threshold
+    rows, width = 160, 1 << 17  # 160 rows x 512 KiB = 80 MiB > the 64 MiB split threshold
     x = torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, width).contiguous()
     meta = client.put({"x": x, "i": torch.arange(rows)}, partition)
     units = len(client.stats().units)

@@ -1,4 +1,4 @@
-"""Request cost is O(batch × fields), independent of the partition's size.
+"""Request cost is O(batch x fields), independent of the partition's size.
 
 Deterministic, not timed: after the views exist, the rows table of a 50k-row partition is replaced
 by a dict that refuses iteration, and every per-request path must still work.

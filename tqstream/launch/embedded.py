@@ -59,8 +59,11 @@ class EmbeddedCluster:
         def done(t: asyncio.Task[Any]) -> None:
             if not t.cancelled() and t.exception() is not None and self.failure is None:
                 self.failure = t.exception()
-                _log.error("tqstream embedded server %s failed; stopping the embedded cluster",
-                           t.get_name(), exc_info=self.failure)
+                _log.error(
+                    "tqstream embedded server %s failed; stopping the embedded cluster",
+                    t.get_name(),
+                    exc_info=self.failure,
+                )
                 asyncio.get_running_loop().create_task(self._stop_servers())
 
         task.add_done_callback(done)
