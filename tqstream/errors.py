@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "AdmissionError",
     "BatchShapeError",
     "CapacityError",
     "ClosedError",
@@ -119,6 +120,13 @@ class InvalidRequestError(TQStreamError, ValueError):
     """A request argument is out of range (``batch_size <= 0``, a negative timeout, ...)."""
 
     code = "invalid_request"
+
+
+class AdmissionError(TQStreamError, ValueError):
+    """A refused admission configuration (it would deadlock or means nothing) or a misuse of
+    admission slots (release of an id never issued, an unknown outcome)."""
+
+    code = "admission"
 
 
 class UnknownPartitionError(TQStreamError, KeyError):

@@ -36,6 +36,7 @@ class Row:
         "unit",
         "version_end",
         "version_start",
+        "writes",
         "written",
     )
 
@@ -53,6 +54,7 @@ class Row:
         self.pending = 0
         self.committed = False
         self.ready_seq = 0
+        self.writes: list[tuple[int, int]] = []  # (mask, seq) of each committed write
 
 
 class Group:
@@ -87,6 +89,7 @@ class Partition:
         self.next_row = 0
         self.seq = 0
         self.committed = 0
+        self.born = 0  # set by the controller: the id counter's value at creation
 
     # --- schemas and fields ---
     def declare(self, fields: Iterable[str]) -> None:
@@ -138,7 +141,7 @@ class Partition:
     def forget_unused_schemas(self, fields: Iterable[str], still_pending: set[str]) -> None:
         """After an aborted write: a schema fixed by it alone was never really written."""
         for f in fields:
-            if self.written_count.get(f, 0) == 0 and f not in still_pending:
+            if f not in self.written_count and f not in still_pending:  # never committed
                 self.schemas.pop(f, None)
 
     # --- rows ---
@@ -176,7 +179,7 @@ class Partition:
         rows = []
         for i in range(n):
             rid = self.next_row + i
-            key = keys[i] if keys is not None else f"{self.key_prefix}{rid}"
+            key = keys[i] if keys is not None else self._generated_key(rid)
             group = groups[i] if groups is not None else None
             rows.append(Row(rid, key, group, -1, 0, version))
         self.next_row += n
@@ -189,6 +192,15 @@ class Partition:
                     grp = self.groups[r.group] = Group(group_size or counts[r.group])
                 grp.members.append(r.id)
         return rows
+
+    def _generated_key(self, rid: int) -> str:
+        """``<prefix><row id>``, or with a suffix if a user key took that name: keys stay unique."""
+        key = base = f"{self.key_prefix}{rid}"
+        n = 0
+        while key in self.keys:
+            n += 1
+            key = f"{base}.{n}"
+        return key
 
     def _check_groups(self, counts: dict[str, int], group_size: int | None) -> None:
         for g, c in counts.items():
@@ -228,6 +240,7 @@ class Partition:
         r.written = new = old | mask
         self.seq += 1
         r.ready_seq = self.seq
+        r.writes.append((mask, self.seq))
         for name, bit in self.bits.items():
             if mask & bit:
                 self.written_count[name] = self.written_count.get(name, 0) + 1
@@ -242,6 +255,18 @@ class Partition:
     def _available(self, r: Row, task: str) -> bool:
         t = self.tasks.get(task)
         return t is None or (r.id not in t.leased and r.id not in t.acked)
+
+    @staticmethod
+    def _ready_seq(r: Row, mask: int) -> int:
+        """When ``r`` became ready for ``mask``: the write of the last of its fields (later writes
+        of other fields do not move it)."""
+        return max(seq for m, seq in r.writes if m & mask)
+
+    def _group_seq(self, r: Row, mask: int) -> int:
+        """When the group of ``r`` (all of its members available) became ready for ``mask``."""
+        if r.group is None:
+            return self._ready_seq(r, mask)
+        return max(self._ready_seq(self.rows[m], mask) for m in self.groups[r.group].members)
 
     def _group_of(self, r: Row) -> tuple[GroupKey, int]:
         if r.group is None:
@@ -326,11 +351,12 @@ class Partition:
     def _now_available(self, r: Row, task: str) -> None:
         for (vtask, vmask), v in self.views.items():
             if vtask == task and (r.written & vmask) == vmask:
-                v.add(r.id, r.ready_seq)
+                v.add(r.id, self._ready_seq(r, vmask))
         for (vtask, vmask), gv in self.group_views.items():
             if vtask == task and (r.written & vmask) == vmask:
                 key, size = self._group_of(r)
-                gv.add(key, size, r.ready_seq)
+                completes = gv.count.get(key, 0) + 1 == size and key not in gv.seq_of
+                gv.add(key, size, self._group_seq(r, vmask) if completes else r.ready_seq)
 
     # --- selection ---
     def _ready_rows_for(self, task: str, mask: int) -> list[Row]:
@@ -340,7 +366,7 @@ class Partition:
             for r in self.rows.values()
             if r.committed and (r.written & mask) == mask and self._available(r, task)
         ]
-        rows.sort(key=lambda r: r.ready_seq)
+        rows.sort(key=lambda r: self._ready_seq(r, mask))
         return rows
 
     def view(self, task: str, mask: int) -> ReadyView:
@@ -349,7 +375,7 @@ class Partition:
             self.task(task)
             v = self.views[(task, mask)] = ReadyView(task, mask)
             for r in self._ready_rows_for(task, mask):
-                v.add(r.id, r.ready_seq)
+                v.add(r.id, self._ready_seq(r, mask))
         return v
 
     def group_view(self, task: str, mask: int) -> GroupView:
@@ -359,7 +385,7 @@ class Partition:
             gv = self.group_views[(task, mask)] = GroupView(task, mask)
             for r in self._ready_rows_for(task, mask):
                 key, size = self._group_of(r)
-                gv.add(key, size, r.ready_seq)
+                gv.add(key, size, self._ready_seq(r, mask))
         return gv
 
     def select(self, task: str, mask: int, batch_size: int, whole_groups: bool) -> list[int] | None:
@@ -377,7 +403,25 @@ class Partition:
                 picked.extend(members)
                 if len(picked) == batch_size:
                     return picked
-        return None
+        # Taking every older group that fits can dead-end (a singleton, then only pairs, for 2
+        # rows). Take the oldest groups that still leave a way to exactly batch_size rows: the
+        # same batch whenever the loop above succeeds, and a batch whenever one exists.
+        keys = list(gv.oldest())
+        sizes = [1 if isinstance(k, int) else self.groups[k].size for k in keys]
+        full = (1 << (batch_size + 1)) - 1
+        reach = [1] * (len(keys) + 1)  # bit n of reach[i]: groups i.. can make exactly n rows
+        for i in range(len(keys) - 1, -1, -1):
+            reach[i] = (reach[i + 1] | reach[i + 1] << sizes[i]) & full
+        if not reach[0] >> batch_size & 1:
+            return None
+        picked, need = [], batch_size
+        for i, key in enumerate(keys):
+            if sizes[i] <= need and reach[i + 1] >> (need - sizes[i]) & 1:
+                picked.extend([key] if isinstance(key, int) else self.groups[key].members)
+                need -= sizes[i]
+                if need == 0:
+                    break
+        return picked
 
     # --- reporting ---
     def task_stats(self) -> dict[str, TaskStats]:

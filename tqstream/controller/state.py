@@ -136,6 +136,7 @@ class ControllerState:
         p = self.partitions.get(name)
         if p is None:
             p = self.partitions[name] = Partition(name, f"{secrets.token_hex(4)}-")
+            p.born = next(self._ids)  # leases with smaller ids belong to an earlier incarnation
         p.declare(fields)
 
     # --- puts ---
@@ -153,13 +154,19 @@ class ControllerState:
         if req.group_size is not None and req.group_size <= 0:
             raise InvalidRequestError(f"group_size must be positive, got {req.group_size}")
         runs = place(self.unit_bytes, req.n_rows, req.nbytes)  # fails before any change
+        created = req.partition not in self.partitions
         self.create_partition(req.partition, [])
         p = self.partitions[req.partition]
+        known = len(p.bits)
         mask = p.check_schemas(req.schemas)
         try:
             rows = p.reserve_rows(req.n_rows, req.keys, req.groups, req.group_size, req.version)
         except TQStreamError:
             p.forget_unused_schemas(req.schemas, self._pending_fields(req.partition))
+            for f in list(p.bits)[known:]:  # fields only this refused put introduced
+                del p.bits[f]
+            if created:
+                del self.partitions[req.partition]
             raise
         per_row = req.nbytes // req.n_rows
         segments = []
@@ -180,6 +187,12 @@ class ControllerState:
         p = self.partition(req.partition)
         if not req.row_ids or not req.schemas:
             raise InvalidRequestError("put_fields needs at least one row and one field")
+        if len(set(req.row_ids)) < len(req.row_ids):
+            twice = next(r for i, r in enumerate(req.row_ids) if r in req.row_ids[:i])
+            raise InvalidRequestError(
+                f"put_fields names row {twice} more than once; a field is written once per row",
+                row=twice,
+            )
         rows = self._rows(p, req.row_ids)
         for name, _schema in req.schemas.items():
             bit = p.bits.get(name, 0)
@@ -305,6 +318,8 @@ class ControllerState:
                 self.unit_bytes[r.unit] -= r.nbytes
         else:
             for r in put.rows:
+                if p.rows.get(r.id) is not r:
+                    continue  # cleared since: clear_samples freed its bytes, this put's included
                 r.pending &= ~put.mask
                 r.nbytes -= put.per_row
                 self.unit_bytes[r.unit] -= put.per_row
@@ -456,7 +471,7 @@ class ControllerState:
                 f"controller that has since restarted); get the rows again with get_meta",
                 lease_id=lease_id,
             )
-        if p is None or status == "cleared":
+        if p is None or status == "cleared" or lease_id < p.born:
             return None, None
         t = p.tasks.get(task)
         acked = t.acked if t is not None else set()
@@ -548,6 +563,9 @@ class ControllerState:
                     self._rollback(put, effects)
             else:
                 parked: _Parked = ref
+                if parked.req.partition in touched:  # rows given back before this timeout
+                    touched.discard(parked.req.partition)
+                    self._serve_parked(parked.req.partition, effects, now)
                 waiting = self.parked.get(parked.req.partition, {})
                 if waiting.get(parked.handle) is parked:
                     del waiting[parked.handle]
@@ -611,7 +629,9 @@ class ControllerState:
                 fields={f: p.written_count.get(f, 0) for f in p.bits},
                 schemas=dict(p.schemas),
                 tasks=p.task_stats(),
-                pending_puts=sum(1 for q in self.pending.values() if q.partition == name),
+                pending_puts=sum(
+                    1 for q in self.pending.values() if q.partition == name and not q.cancelled
+                ),
                 parked_requests=len(self.parked.get(name, {})),
             )
         return out
