@@ -41,6 +41,8 @@ class StorageConfig:
     """TCP port; 0 picks a free one."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest message accepted; larger ones get a MessageTooLargeError reply."""
+    max_bytes: int = 0
+    """Byte quota of the unit (0: unlimited); puts wait for room, then raise CapacityError."""
 
 
 @dataclasses.dataclass(frozen=True)

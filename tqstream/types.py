@@ -66,6 +66,9 @@ class BatchMeta(msgspec.Struct, frozen=True):
     schemas: dict[str, FieldSchema]
     task: str | None = None
     lease_id: int | None = None
+    dispatch_version: list[int | None] = msgspec.field(default_factory=list)
+    stale_dropped: int = 0  # rows this request evicted as stale (on_stale="drop")
+    rejected: int = 0  # rows of this put refused (reject_mixed_versions)
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -89,6 +92,9 @@ class BatchMeta(msgspec.Struct, frozen=True):
             schemas=dict(self.schemas),
             task=self.task,
             lease_id=self.lease_id,
+            dispatch_version=[self.dispatch_version[i] for i in idx]
+            if self.dispatch_version
+            else [],
         )
 
 
@@ -98,6 +104,8 @@ class TaskStats(msgspec.Struct, frozen=True):
     available: int
     leased: int
     acked: int
+    stale_dropped: int = 0
+    lag: dict[int, int] = {}  # version lag at consumption (ack) -> rows
 
 
 class PartitionStats(msgspec.Struct, frozen=True):
@@ -107,6 +115,12 @@ class PartitionStats(msgspec.Struct, frozen=True):
     tasks: dict[str, TaskStats]
     pending_puts: int = 0
     parked_requests: int = 0
+    produced: int = 0  # rows committed, ever
+    rejected: int = 0  # rows refused at put (reject_mixed_versions)
+    stale_dropped: int = 0  # rows evicted as stale
+    expired: int = 0  # rows evicted by the partition's ttl
+    freed: int = 0  # rows freed once every registered task acked them
+    tasks_registered: list[str] = []
 
 
 class UnitStats(msgspec.Struct, frozen=True):
@@ -115,11 +129,13 @@ class UnitStats(msgspec.Struct, frozen=True):
     chunks: int
     rows: int
     alive: bool = True
+    max_bytes: int = 0  # byte quota; 0: unlimited
 
 
 class Stats(msgspec.Struct, frozen=True):
     partitions: dict[str, PartitionStats]
     units: list[UnitStats]
+    admissions: dict[str, dict[str, int | float | str]] = {}
 
     @property
     def storage_bytes(self) -> int:

@@ -15,19 +15,32 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from tensordict import TensorDict
 
+from tqstream.client.admission import AdmissionHandle
 from tqstream.client.core import ClientCore
 from tqstream.client.loop import LoopThread
+from tqstream.client.versions import row_versions
 from tqstream.config import ClientConfig, from_env
 from tqstream.errors import BatchShapeError, ClosedError, InvalidRequestError
 from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
-from tqstream.protocol.messages import GetMeta
+from tqstream.protocol.messages import CreateAdmission, CreatePartition, GetMeta, PreparePut
 from tqstream.types import BatchMeta, Stats
 
 __all__ = ["Batch", "Client", "connect"]
 
 PadValues = float | Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A staleness window for reads (see ``Client.get_meta``)."""
+
+    current_version: int | None = None
+    max_staleness: int | None = None
+    measure: str = "head"
+    on_stale: str = "keep"
 
 
 @dataclasses.dataclass
@@ -124,8 +137,19 @@ class Client:
 
     # --- put ---
     def _encode_put(
-        self, data: Any, keys: Sequence[str] | None, groups: Sequence[Any] | None
-    ) -> tuple[int, dict[str, Column], Any, Any]:
+        self,
+        data: Any,
+        partition: str,
+        keys: Sequence[str] | None,
+        groups: Sequence[Any] | None,
+        group_size: int | None,
+        version: int | None,
+        dispatch_version: int | Sequence[int | None] | None,
+        versions_field: str | None,
+        reject_mixed_versions: bool,
+        timeout: float | None,
+    ) -> tuple[PreparePut, dict[str, Column]]:
+        """Encode the batch into columns and the prepare request (in the caller's thread)."""
         n, columns = columns_from_data(data)
         for name, seq in (("keys", keys), ("groups", groups)):
             if seq is not None and len(seq) != n:
@@ -141,7 +165,52 @@ class Client:
             keys = list(keys)
         if groups is not None:
             groups = [None if g is None else str(g) for g in groups]
-        return n, columns, keys, groups
+        dispatch: list[int | None] | None = None
+        if isinstance(dispatch_version, int):
+            dispatch = [dispatch_version] * n
+        elif dispatch_version is not None:
+            dispatch = list(dispatch_version)
+            if len(dispatch) != n:
+                raise BatchShapeError(
+                    f"dispatch_version= has {len(dispatch)} entries but the data has {n} rows",
+                    rows=n,
+                )
+        starts = ends = None
+        if versions_field is not None and versions_field in columns:
+            starts, ends = row_versions(versions_field, columns[versions_field], version)
+        rejected = 0
+        if reject_mixed_versions:
+            if starts is None or ends is None:
+                raise InvalidRequestError(
+                    f"reject_mixed_versions=True needs the per-token versions field "
+                    f"{versions_field!r} in the data (or name it with versions_field=)"
+                )
+            keep = [i for i in range(n) if starts[i] == ends[i]]
+            rejected = n - len(keep)
+            if rejected:
+                index = torch.tensor(keep, dtype=torch.int64)
+                columns = {k: c.take(index) for k, c in columns.items()}
+                pick = lambda seq: None if seq is None else [seq[i] for i in keep]  # noqa: E731
+                keys, groups, dispatch = pick(keys), pick(groups), pick(dispatch)
+                starts, ends = pick(starts), pick(ends)
+                n = len(keep)
+        req = PreparePut(
+            rid=0,
+            partition=partition,
+            n_rows=n,
+            schemas={k: c.schema for k, c in columns.items()},
+            nbytes=sum(c.nbytes for c in columns.values()),
+            keys=keys,
+            groups=groups,
+            group_size=group_size,
+            version=version,
+            version_start=starts,
+            version_end=ends,
+            dispatch_version=dispatch,
+            rejected=rejected,
+            timeout=timeout,
+        )
+        return req, columns
 
     def put(
         self,
@@ -152,25 +221,29 @@ class Client:
         groups: Sequence[Any] | None = None,
         group_size: int | None = None,
         version: int | None = None,
+        dispatch_version: int | Sequence[int | None] | None = None,
+        versions_field: str | None = "versions",
+        reject_mixed_versions: bool = False,
+        timeout: float | None = None,
     ) -> BatchMeta:
         """Store ``data`` (TensorDict or dict of tensors / lists, B rows) as B new rows.
 
         ``keys``: unique per partition, generated when absent. ``groups``: a group id per row
         (e.g. the GRPO prompt uid); a group's size is ``group_size`` or, when absent, its row count
-        in this put. ``version``: the policy version the rows were generated under. The rows
-        become visible to readers all at once, when every byte is stored.
+        in this put. ``version``: the policy version the rows were generated under; when the data
+        has a per-token ``versions_field`` (-1 on prompt tokens), each row's ``version_start`` /
+        ``version_end`` are its oldest / newest generated token's version instead.
+        ``dispatch_version``: the version when generation was requested (int or one per row).
+        ``reject_mixed_versions``: refuse (and count) rows whose tokens span several versions.
+        ``timeout``: how long to wait for room when storage units have byte quotas (None:
+        forever), then ``CapacityError``. The rows become visible to readers all at once, when
+        every byte is stored.
         """
-        n, columns, keys, groups = self._encode_put(data, keys, groups)
-        return self._sync(
-            self._core.put,
-            partition,
-            n,
-            columns,
-            keys=keys,
-            groups=groups,
-            group_size=group_size,
-            version=version,
-        )
+        req, columns = self._encode_put(
+            data, partition, keys, groups, group_size, version, dispatch_version,
+            versions_field, reject_mixed_versions, timeout,
+        )  # fmt: skip
+        return self._sync(self._core.put, req, columns)
 
     async def async_put(
         self,
@@ -181,18 +254,16 @@ class Client:
         groups: Sequence[Any] | None = None,
         group_size: int | None = None,
         version: int | None = None,
+        dispatch_version: int | Sequence[int | None] | None = None,
+        versions_field: str | None = "versions",
+        reject_mixed_versions: bool = False,
+        timeout: float | None = None,
     ) -> BatchMeta:
-        n, columns, keys, groups = self._encode_put(data, keys, groups)
-        return await self._async(
-            self._core.put,
-            partition,
-            n,
-            columns,
-            keys=keys,
-            groups=groups,
-            group_size=group_size,
-            version=version,
-        )
+        req, columns = self._encode_put(
+            data, partition, keys, groups, group_size, version, dispatch_version,
+            versions_field, reject_mixed_versions, timeout,
+        )  # fmt: skip
+        return await self._async(self._core.put, req, columns)
 
     @staticmethod
     def _encode_fields(meta: BatchMeta, data: Any) -> dict[str, Column]:
@@ -213,12 +284,45 @@ class Client:
     async def async_put_fields(self, meta: BatchMeta, data: Any) -> None:
         await self._async(self._core.put_fields, meta, self._encode_fields(meta, data))
 
-    def create_partition(self, partition: str, fields: Sequence[str] = ()) -> None:
-        """Create ``partition`` and declare ``fields``, so gets wait for them instead of failing."""
-        self._sync(self._core.create_partition, partition, list(fields))
+    def create_partition(
+        self,
+        partition: str,
+        fields: Sequence[str] = (),
+        *,
+        tasks: Sequence[str] | None = None,
+        ttl: float | None = None,
+    ) -> None:
+        """Create ``partition`` and declare ``fields``, so gets wait for them instead of failing.
 
-    async def async_create_partition(self, partition: str, fields: Sequence[str] = ()) -> None:
-        await self._async(self._core.create_partition, partition, list(fields))
+        ``tasks``: register the consumer tasks; a row is freed (storage released) as soon as all
+        of them acked it. ``ttl``: seconds a committed row lives before it is evicted (counted in
+        stats as expired). Calling it again adds fields and updates tasks/ttl.
+        """
+        msg = CreatePartition(
+            rid=0,
+            partition=partition,
+            fields=list(fields),
+            tasks=None if tasks is None else list(tasks),
+            ttl=ttl,
+        )
+        self._sync(self._core.call, msg)
+
+    async def async_create_partition(
+        self,
+        partition: str,
+        fields: Sequence[str] = (),
+        *,
+        tasks: Sequence[str] | None = None,
+        ttl: float | None = None,
+    ) -> None:
+        msg = CreatePartition(
+            rid=0,
+            partition=partition,
+            fields=list(fields),
+            tasks=None if tasks is None else list(tasks),
+            ttl=ttl,
+        )
+        await self._async(self._core.call, msg)
 
     # --- get ---
     @staticmethod
@@ -230,6 +334,7 @@ class Client:
         whole_groups: bool,
         lease_timeout: float | None,
         timeout: float | None,
+        window: Window,
     ) -> GetMeta:
         if isinstance(fields, str):
             fields = [fields]
@@ -242,6 +347,10 @@ class Client:
             whole_groups=whole_groups,
             lease_timeout=lease_timeout,
             timeout=timeout,
+            current_version=window.current_version,
+            max_staleness=window.max_staleness,
+            measure=window.measure,
+            on_stale=window.on_stale,
         )
 
     def get_meta(
@@ -254,6 +363,10 @@ class Client:
         whole_groups: bool = False,
         lease_timeout: float | None = None,
         timeout: float | None = None,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+        measure: str = "head",
+        on_stale: str = "keep",
     ) -> BatchMeta:
         """Lease the ``batch_size`` oldest rows that have ``fields`` and ``task`` has not consumed.
 
@@ -261,9 +374,16 @@ class Client:
         after ``timeout`` seconds (None: wait forever; 0: do not wait) saying what was missing.
         The lease lasts ``lease_timeout`` seconds (controller default when None): ``ack`` it to
         consume the rows, ``release`` it to give them back; an expired lease gives them back.
+
+        Staleness window: with ``current_version=v, max_staleness=k`` only rows whose version
+        (``measure``: "head" = version_start, "tail" = version_end, "dispatch") is at least
+        ``v - k`` are selected (rows without a version always are); a group is stale if any
+        member is. ``on_stale="drop"`` evicts the stale rows it meets (they can never be in a
+        window again), counted in ``meta.stale_dropped`` and in stats; "keep" leaves them.
         """
+        window = Window(current_version, max_staleness, measure, on_stale)
         req = self._get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         return self._sync(self._core.get_meta, req)
 
@@ -277,9 +397,14 @@ class Client:
         whole_groups: bool = False,
         lease_timeout: float | None = None,
         timeout: float | None = None,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+        measure: str = "head",
+        on_stale: str = "keep",
     ) -> BatchMeta:
+        window = Window(current_version, max_staleness, measure, on_stale)
         req = self._get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         return await self._async(self._core.get_meta, req)
 
@@ -322,6 +447,10 @@ class Client:
         padded: bool = False,
         pad_values: PadValues = 0,
         auto_ack: bool = False,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+        measure: str = "head",
+        on_stale: str = "keep",
     ) -> Batch:
         """``get_meta`` then ``get_data``; if fetching fails the lease is released.
 
@@ -336,6 +465,10 @@ class Client:
             whole_groups=whole_groups,
             lease_timeout=lease_timeout,
             timeout=timeout,
+            current_version=current_version,
+            max_staleness=max_staleness,
+            measure=measure,
+            on_stale=on_stale,
         )
         try:
             data = self.get_data(meta, padded=padded, pad_values=pad_values)
@@ -359,6 +492,10 @@ class Client:
         padded: bool = False,
         pad_values: PadValues = 0,
         auto_ack: bool = False,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+        measure: str = "head",
+        on_stale: str = "keep",
     ) -> Batch:
         meta = await self.async_get_meta(
             partition,
@@ -368,6 +505,10 @@ class Client:
             whole_groups=whole_groups,
             lease_timeout=lease_timeout,
             timeout=timeout,
+            current_version=current_version,
+            max_staleness=max_staleness,
+            measure=measure,
+            on_stale=on_stale,
         )
         try:
             data = await self.async_get_data(meta, padded=padded, pad_values=pad_values)
@@ -419,6 +560,26 @@ class Client:
 
     async def async_list_keys(self, partition: str) -> list[str]:
         return await self._async(self._core.list_keys, partition)
+
+    # --- admission ---
+    def admission(self, style: str, *, name: str = "default", **config: int) -> AdmissionHandle:
+        """Producer flow control kept at the controller (global across processes).
+
+        ``style``: "capacity" (AReaL: max_concurrent, max_staleness, consumer_batch_size),
+        "slots" (verl fully-async: max_pending_slots, max_version_slots, consumer_batch_size),
+        or "per_version" (JAX-vLLM: max_per_version, update_interval). Creating the same
+        admission again is harmless; a configuration that would deadlock raises AdmissionError.
+        """
+        msg = CreateAdmission(rid=0, name=name, style=style, config=dict(config))
+        self._sync(self._core.call, msg)
+        return AdmissionHandle(self, name, style)
+
+    async def async_admission(
+        self, style: str, *, name: str = "default", **config: int
+    ) -> AdmissionHandle:
+        msg = CreateAdmission(rid=0, name=name, style=style, config=dict(config))
+        await self._async(self._core.call, msg)
+        return AdmissionHandle(self, name, style)
 
     # --- consumption ---
     def ack(self, meta: BatchMeta) -> int:

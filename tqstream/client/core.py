@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
 import torch
 import zmq.asyncio
 
@@ -30,7 +31,7 @@ from tqstream.protocol.messages import (
     ColumnRef,
     Columns,
     CommitPut,
-    CreatePartition,
+    CountRejected,
     Fetch,
     FieldsPlan,
     GetByKeys,
@@ -149,31 +150,14 @@ class ClientCore:
         return reply
 
     # --- writes ---
-    async def put(
-        self,
-        partition: str,
-        n_rows: int,
-        columns: dict[str, Column],
-        *,
-        keys: list[str] | None,
-        groups: list[str | None] | None,
-        group_size: int | None,
-        version: int | None,
-    ) -> BatchMeta:
-        plan: PutPlan = await self._ask(
-            PreparePut(
-                rid=0,
-                partition=partition,
-                n_rows=n_rows,
-                schemas={k: c.schema for k, c in columns.items()},
-                nbytes=sum(c.nbytes for c in columns.values()),
-                keys=keys,
-                groups=groups,
-                group_size=group_size,
-                version=version,
-            ),
-            PutPlan,
-        )
+    async def put(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
+        partition = req.partition
+        if req.n_rows == 0:  # every row was rejected: count them, store nothing
+            await self._ask(CountRejected(rid=0, partition=partition, count=req.rejected), Ok)
+            return BatchMeta(partition, [], [], [], [], [], [], list(columns), {},
+                             rejected=req.rejected)  # fmt: skip
+        wait = None if req.timeout is None else req.timeout + GET_GRACE
+        plan: PutPlan = await self._ask(req, PutPlan, timeout=wait)
 
         async def store() -> BatchMeta:
             jobs = []
@@ -185,7 +169,10 @@ class ClientCore:
                 jobs.append(self._ask(msg, Ok, conn=await self._unit(seg.unit), buffers=bufs))
             await asyncio.gather(*jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
-            return reply.meta
+            meta: BatchMeta = reply.meta
+            if req.rejected:
+                meta = msgspec.structs.replace(meta, rejected=req.rejected)
+            return meta
 
         return await self._committed(plan.put_id, store())
 
@@ -296,8 +283,9 @@ class ClientCore:
     async def clear_partition(self, partition: str) -> None:
         await self._ask(ClearPartition(rid=0, partition=partition), Ok)
 
-    async def create_partition(self, partition: str, fields: list[str]) -> None:
-        await self._ask(CreatePartition(rid=0, partition=partition, fields=fields), Ok)
+    async def call(self, msg: Any, expect: type = Ok, timeout: float | None = -1.0) -> Any:
+        """A plain request to the controller (no data frames)."""
+        return await self._ask(msg, expect, timeout=timeout)
 
     async def stats(self, partition: str | None) -> Stats:
         return (await self._ask(GetStats(rid=0, partition=partition), StatsReply)).stats

@@ -12,7 +12,7 @@ every view (see ``views.py``) exact, so selection never rescans.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tqstream.controller.views import GroupKey, GroupView, ReadyView
 from tqstream.errors import (
@@ -27,6 +27,7 @@ from tqstream.types import FieldSchema, TaskStats
 class Row:
     __slots__ = (
         "committed",
+        "dispatch_version",
         "group",
         "id",
         "key",
@@ -50,6 +51,7 @@ class Row:
         self.nbytes = nbytes
         self.version_start = version
         self.version_end = version
+        self.dispatch_version = version
         self.written = 0
         self.pending = 0
         self.committed = False
@@ -66,11 +68,13 @@ class Group:
 
 
 class TaskState:
-    __slots__ = ("acked", "leased")
+    __slots__ = ("acked", "lag", "leased", "stale_dropped")
 
     def __init__(self) -> None:
         self.leased: dict[int, int] = {}  # row -> lease id
         self.acked: set[int] = set()
+        self.stale_dropped = 0
+        self.lag: dict[int, int] = {}  # version lag at ack -> rows
 
 
 class Partition:
@@ -90,6 +94,10 @@ class Partition:
         self.seq = 0
         self.committed = 0
         self.born = 0  # set by the controller: the id counter's value at creation
+        self.registered: list[str] = []  # a row all of these tasks acked is freed
+        self.ttl: float | None = None
+        self.produced = self.rejected = self.stale_dropped = self.expired = self.freed = 0
+        self.stale_seen: list[int] = []  # filled by select() under a staleness window
 
     # --- schemas and fields ---
     def declare(self, fields: Iterable[str]) -> None:
@@ -388,17 +396,48 @@ class Partition:
                 gv.add(key, size, self._ready_seq(r, mask))
         return gv
 
-    def select(self, task: str, mask: int, batch_size: int, whole_groups: bool) -> list[int] | None:
-        """The oldest ``batch_size`` servable rows, or None when there are not enough yet."""
+    def select(
+        self,
+        task: str,
+        mask: int,
+        batch_size: int,
+        whole_groups: bool,
+        fresh: Callable[[Row], bool] | None = None,
+    ) -> list[int] | None:
+        """The oldest ``batch_size`` servable rows, or None when there are not enough yet.
+
+        With a staleness window, ``fresh`` says whether a row is inside it; rows (whole groups:
+        groups with a member) outside it are skipped and listed in ``self.stale_seen`` for the
+        caller to evict or keep. Skipping costs one step per stale row at the head of the order,
+        so ``on_stale="drop"`` keeps requests O(batch) while ``"keep"`` pays for what it keeps.
+        """
+        self.stale_seen = []
         if not whole_groups:
             v = self.view(task, mask)
-            return v.oldest(batch_size) if len(v) >= batch_size else None
+            if len(v) < batch_size:
+                return None
+            if fresh is None:
+                return v.oldest(batch_size)
+            rows: list[int] = []
+            for rid in v.ready.values():
+                if fresh(self.rows[rid]):
+                    rows.append(rid)
+                    if len(rows) == batch_size:
+                        return rows
+                else:
+                    self.stale_seen.append(rid)
+            return None
         gv = self.group_view(task, mask)
         if gv.ready_rows < batch_size:
             return None
         picked: list[int] = []
+        keys: list[GroupKey] = []
         for key in gv.oldest():
             members = [key] if isinstance(key, int) else self.groups[key].members
+            if fresh is not None and not all(fresh(self.rows[m]) for m in members):
+                self.stale_seen.extend(members)
+                continue
+            keys.append(key)
             if len(picked) + len(members) <= batch_size:
                 picked.extend(members)
                 if len(picked) == batch_size:
@@ -406,7 +445,6 @@ class Partition:
         # Taking every older group that fits can dead-end (a singleton, then only pairs, for 2
         # rows). Take the oldest groups that still leave a way to exactly batch_size rows: the
         # same batch whenever the loop above succeeds, and a batch whenever one exists.
-        keys = list(gv.oldest())
         sizes = [1 if isinstance(k, int) else self.groups[k].size for k in keys]
         full = (1 << (batch_size + 1)) - 1
         reach = [1] * (len(keys) + 1)  # bit n of reach[i]: groups i.. can make exactly n rows
@@ -431,6 +469,8 @@ class Partition:
                 available=self.committed - len(t.leased) - len(t.acked),
                 leased=len(t.leased),
                 acked=len(t.acked),
+                stale_dropped=t.stale_dropped,
+                lag=dict(sorted(t.lag.items())),
             )
         return out
 

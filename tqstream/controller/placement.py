@@ -1,4 +1,4 @@
-"""Placement of a put's rows on storage units: balance by bytes, contiguous runs per unit."""
+"""Placement of a put's rows on storage units: balance by bytes, one run per unit, quotas."""
 
 from __future__ import annotations
 
@@ -10,14 +10,36 @@ SPLIT_BYTES = 64 << 20
 """A put larger than this is spread over several units (one contiguous run of rows each)."""
 
 
-def place(unit_bytes: list[int], n_rows: int, nbytes: int) -> list[tuple[int, int, int]]:
-    """``(unit, start, stop)`` runs covering rows ``[0, n_rows)``, least-loaded units first."""
+def place(
+    unit_bytes: list[int], n_rows: int, nbytes: int, quotas: list[int] | None = None
+) -> list[tuple[int, int, int]] | None:
+    """``(unit, start, stop)`` runs covering rows ``[0, n_rows)``, least-loaded units first.
+
+    ``quotas[u]`` is unit u's byte quota (0: unlimited). Returns None when the put does not fit
+    now but could once bytes are freed (the caller waits); raises when it can never fit.
+    """
     if not unit_bytes:
         raise CapacityError(
             "no storage unit is registered with the controller; start storage units "
             "(tqstream-launch --storage-units N) before putting data"
         )
+    quotas = quotas or [0] * len(unit_bytes)
+    room = [q - b if q else math.inf for q, b in zip(quotas, unit_bytes, strict=True)]
     k = min(len(unit_bytes), n_rows, max(1, math.ceil(nbytes / SPLIT_BYTES)))
-    order = sorted(range(len(unit_bytes)), key=lambda u: (unit_bytes[u], u))[:k]
-    bounds = [i * n_rows // k for i in range(k + 1)]
-    return [(u, bounds[i], bounds[i + 1]) for i, u in enumerate(sorted(order))]
+    if all(quotas) and nbytes > sum(quotas):
+        raise CapacityError(
+            f"a put of {nbytes} bytes can never fit: the storage units' quotas total "
+            f"{sum(quotas)} bytes; split the batch or raise max_bytes on the units",
+            nbytes=nbytes,
+            quota=sum(quotas),
+        )
+    while k <= len(unit_bytes):
+        order = sorted(range(len(unit_bytes)), key=lambda u: (-room[u], unit_bytes[u], u))[:k]
+        bounds = [i * n_rows // k for i in range(k + 1)]
+        runs = [(u, bounds[i], bounds[i + 1]) for i, u in enumerate(sorted(order))]
+        if all(room[u] >= nbytes * (stop - start) / n_rows for u, start, stop in runs):
+            return runs
+        k += 1  # spread thinner over more units
+        if k > n_rows:
+            break
+    return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import zmq.asyncio
 
 from tqstream.config import ClientConfig, ControllerConfig
@@ -22,9 +23,15 @@ from tqstream.errors import InvalidRequestError, TQStreamError
 from tqstream.protocol.messages import (
     AbortPut,
     Ack,
+    Acquire,
+    AdmissionInfo,
+    AdmissionReply,
+    AdmissionVersion,
     ClearPartition,
     ClearSamples,
     CommitPut,
+    CountRejected,
+    CreateAdmission,
     CreatePartition,
     DropChunks,
     DropPartition,
@@ -42,6 +49,8 @@ from tqstream.protocol.messages import (
     Registered,
     RegisterUnit,
     Release,
+    ReleaseSlots,
+    Slots,
     StatsReply,
     UnitStatsReply,
 )
@@ -103,7 +112,7 @@ class ControllerService:
                     meta = s.get_meta(msg, responder, now)
                     return None if meta is None else MetaReply(rid=msg.rid, meta=meta)
                 case PreparePut():
-                    return s.prepare_put(msg, now)
+                    return s.prepare_put(msg, now, responder)
                 case PrepareFields():
                     return s.prepare_fields(msg, now)
                 case CommitPut():
@@ -128,8 +137,26 @@ class ControllerService:
                 case ListKeys():
                     return KeysReply(rid=msg.rid, keys=s.list_keys(msg.partition))
                 case CreatePartition():
-                    s.create_partition(msg.partition, msg.fields)
+                    s.create_partition(msg.partition, msg.fields, msg.tasks, msg.ttl)
                     return Ok(rid=msg.rid)
+                case CountRejected():
+                    s.count_rejected(msg.partition, msg.count)
+                    return Ok(rid=msg.rid)
+                case CreateAdmission():
+                    s.create_admission(msg.name, msg.style, msg.config)
+                    return Ok(rid=msg.rid)
+                case Acquire():
+                    slots = s.acquire(msg, now, responder)
+                    return None if slots is None else Slots(rid=msg.rid, slot_ids=slots)
+                case ReleaseSlots():
+                    s.release_slots(msg.name, msg.slot_ids, msg.outcome)
+                    return Ok(rid=msg.rid)
+                case AdmissionVersion():
+                    s.admission_version(msg.name, msg.version, msg.recovered, msg.reset)
+                    return Ok(rid=msg.rid)
+                case AdmissionInfo():
+                    state, capacity = s.admission_info(msg.name, msg.version, msg.enqueued)
+                    return AdmissionReply(rid=msg.rid, state=state, capacity=capacity)
                 case ClearSamples():
                     n = len(msg.row_ids)
                     return self._drain(msg.rid, s.clear_samples(msg.partition, msg.row_ids), n)
@@ -138,13 +165,14 @@ class ControllerService:
                 case GetStats():
                     return self._stats(msg.rid, msg.partition)
                 case RegisterUnit():
-                    return self._register(msg.rid, msg.address)
+                    return self._register(msg.rid, msg.address, msg.max_bytes)
                 case _:
                     raise InvalidRequestError(
                         f"{type(msg).__name__} is not a controller request; it goes to a "
                         f"storage unit"
                     )
         finally:
+            self._apply(s.take_effects())  # evictions, frees, woken puts and acquires
             self._rearm()
 
     # --- effects ---
@@ -154,6 +182,8 @@ class ControllerService:
             responder.reply(MetaReply(rid=responder.rid, meta=meta))
         for responder, exc in effects.failed:
             responder.fail(exc)
+        for responder, reply in effects.replies:
+            responder.reply(msgspec.structs.replace(reply, rid=responder.rid))
         jobs: list[tuple[int, Any]] = []
         for unit, parts in effects.drop_rows.items():
             for partition, rows in parts.items():
@@ -204,10 +234,11 @@ class ControllerService:
     def _on_timer(self) -> None:
         self._timer = self._timer_at = None
         self._apply(self.state.expire(asyncio.get_running_loop().time()))
+        self._apply(self.state.take_effects())
         self._rearm()
 
     # --- units and stats ---
-    async def _register(self, rid: int, address: str) -> Registered:
+    async def _register(self, rid: int, address: str, max_bytes: int) -> Registered:
         if address in self.state.units:
             return Registered(rid=rid, unit=self.state.units.index(address))
         conn = await Connection.open(
@@ -219,7 +250,7 @@ class ControllerService:
             max_message_bytes=self.config.max_message_bytes,
         )
         self.units.append(conn)
-        return Registered(rid=rid, unit=self.state.add_unit(address))
+        return Registered(rid=rid, unit=self.state.add_unit(address, max_bytes))
 
     async def _stats(self, rid: int, partition: str | None) -> StatsReply:
         parts = self.state.stats(partition)
@@ -237,4 +268,5 @@ class ControllerService:
                 )
 
         units = await asyncio.gather(*(one(i, c) for i, c in enumerate(self.units)))
-        return StatsReply(rid=rid, stats=Stats(partitions=parts, units=list(units)))
+        stats = Stats(partitions=parts, units=list(units), admissions=self.state.admission_stats())
+        return StatsReply(rid=rid, stats=stats)

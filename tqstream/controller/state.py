@@ -21,9 +21,19 @@ import secrets
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
+
+from tqstream.controller.admission import (
+    Admission,
+    CapacityAdmission,
+    SlotAdmission,
+    make_admission,
+)
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.placement import place
 from tqstream.errors import (
+    AdmissionError,
+    CapacityError,
     FieldExistsError,
     InvalidRequestError,
     LeaseError,
@@ -38,14 +48,46 @@ from tqstream.errors import (
     UnknownRowError,
 )
 from tqstream.protocol.messages import (
+    Acquire,
     FieldsPlan,
     GetMeta,
     PlanSegment,
     PrepareFields,
     PreparePut,
     PutPlan,
+    Slots,
 )
 from tqstream.types import BatchMeta, PartitionStats
+
+MEASURES = ("head", "tail", "dispatch")
+
+
+def version_of(r: Row, measure: str) -> int | None:
+    """The version a staleness window compares: head = the oldest generated token's (AReaL's
+    bound), tail = the newest's, dispatch = the policy version when generation was requested."""
+    if measure == "tail":
+        return r.version_end
+    if measure == "dispatch" and r.dispatch_version is not None:
+        return r.dispatch_version
+    return r.version_start
+
+
+def _check_window(req: GetMeta) -> None:
+    if req.measure not in MEASURES:
+        raise InvalidRequestError(
+            f"measure must be one of {', '.join(MEASURES)}, got {req.measure!r}"
+        )
+    if req.on_stale not in ("keep", "drop"):
+        raise InvalidRequestError(f"on_stale must be 'keep' or 'drop', got {req.on_stale!r}")
+    if req.max_staleness is not None:
+        if req.max_staleness < 0:
+            raise InvalidRequestError(f"max_staleness must be >= 0, got {req.max_staleness}")
+        if req.current_version is None:
+            raise InvalidRequestError(
+                "max_staleness needs current_version (the trainer's policy version) to place the "
+                "window: pass current_version=v"
+            )
+
 
 _FINISHED_LIMIT = 100_000
 
@@ -59,10 +101,16 @@ class Effects:
     drop_rows: dict[int, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
     drop_chunks: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     drop_partitions: list[str] = dataclasses.field(default_factory=list)  # on every unit
+    replies: list[tuple[Any, msgspec.Struct]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
-            self.served or self.failed or self.drop_rows or self.drop_chunks or self.drop_partitions
+            self.served
+            or self.failed
+            or self.drop_rows
+            or self.drop_chunks
+            or self.drop_partitions
+            or self.replies
         )
 
 
@@ -86,6 +134,8 @@ class _Lease:
     task: str
     rows: set[int]
     deadline: float
+    current_version: int | None = None  # the reader's version, for the lag at consumption
+    measure: str = "head"
 
 
 @dataclasses.dataclass(eq=False)
@@ -102,6 +152,10 @@ class ControllerState:
         self.partitions: dict[str, Partition] = {}
         self.units: list[str] = []
         self.unit_bytes: list[int] = []
+        self.unit_quota: list[int] = []  # 0: unlimited
+        self.waiting_puts: dict[Any, tuple[PreparePut, float]] = {}  # handle -> (put, since)
+        self.admissions: dict[str, tuple[Admission, str, dict[str, int]]] = {}
+        self.waiting_acquires: dict[Any, tuple[Acquire, float]] = {}  # handle -> (req, since)
         self.pending: dict[int, _PendingPut] = {}
         self.leases: dict[int, _Lease] = {}
         self.finished_leases: OrderedDict[int, str] = OrderedDict()
@@ -109,13 +163,20 @@ class ControllerState:
         self.parked: dict[str, dict[Any, _Parked]] = {}
         self._deadlines: list[tuple[float, int, str, Any]] = []
         self._ids = itertools.count(1)
+        self.outbox = Effects()  # effects of calls that return something else; see take_effects
+
+    def take_effects(self) -> Effects:
+        """Effects accumulated by calls since the last take (evictions, frees)."""
+        out, self.outbox = self.outbox, Effects()
+        return out
 
     # --- units and partitions ---
-    def add_unit(self, address: str) -> int:
+    def add_unit(self, address: str, max_bytes: int = 0) -> int:
         if address in self.units:
             return self.units.index(address)
         self.units.append(address)
         self.unit_bytes.append(0)
+        self.unit_quota.append(max_bytes)
         return len(self.units) - 1
 
     def partition(self, name: str) -> Partition:
@@ -130,17 +191,33 @@ class ControllerState:
             )
         return p
 
-    def create_partition(self, name: str, fields: list[str]) -> None:
+    def create_partition(
+        self,
+        name: str,
+        fields: list[str],
+        tasks: list[str] | None = None,
+        ttl: float | None = None,
+    ) -> None:
         if not name:
             raise InvalidRequestError("partition name must be a non-empty string")
+        if ttl is not None and ttl <= 0:
+            raise InvalidRequestError(f"ttl must be > 0 seconds, got {ttl}")
+        if tasks is not None and not all(tasks):
+            raise InvalidRequestError("registered task names must be non-empty strings")
         p = self.partitions.get(name)
         if p is None:
             p = self.partitions[name] = Partition(name, f"{secrets.token_hex(4)}-")
             p.born = next(self._ids)  # leases with smaller ids belong to an earlier incarnation
         p.declare(fields)
+        if tasks is not None:
+            p.registered = list(dict.fromkeys(tasks))
+        if ttl is not None:
+            p.ttl = ttl
 
     # --- puts ---
-    def prepare_put(self, req: PreparePut, now: float) -> PutPlan:
+    def prepare_put(self, req: PreparePut, now: float, handle: Any = None) -> PutPlan | None:
+        """Validate and reserve; with ``handle``, a put that does not fit the units' byte quotas
+        waits (returns None; answered later through ``take_effects``) up to ``req.timeout``."""
         if req.n_rows <= 0 or not req.schemas:
             raise InvalidRequestError(
                 f"a put needs at least one row and one field (got "
@@ -153,7 +230,23 @@ class ControllerState:
                 )
         if req.group_size is not None and req.group_size <= 0:
             raise InvalidRequestError(f"group_size must be positive, got {req.group_size}")
-        runs = place(self.unit_bytes, req.n_rows, req.nbytes)  # fails before any change
+        for vname, vseq in (
+            ("version_start", req.version_start),
+            ("version_end", req.version_end),
+            ("dispatch_version", req.dispatch_version),
+        ):
+            if vseq is not None and len(vseq) != req.n_rows:
+                raise InvalidRequestError(
+                    f"{vname} has {len(vseq)} entries but the put has {req.n_rows} rows"
+                )
+        runs = place(self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota)
+        if runs is None:  # no room now: back-pressure, never a silent drop
+            if handle is None or req.timeout == 0:
+                raise self._capacity_error(req, 0.0)
+            self.waiting_puts[handle] = (req, now)
+            if req.timeout is not None:
+                self._at(now + req.timeout, "putwait", handle)
+            return None
         created = req.partition not in self.partitions
         self.create_partition(req.partition, [])
         p = self.partitions[req.partition]
@@ -168,6 +261,14 @@ class ControllerState:
             if created:
                 del self.partitions[req.partition]
             raise
+        for i, r in enumerate(rows):
+            if req.version_start is not None:
+                r.version_start = req.version_start[i]
+            if req.version_end is not None:
+                r.version_end = req.version_end[i]
+            if req.dispatch_version is not None:
+                r.dispatch_version = req.dispatch_version[i]
+        p.rejected += req.rejected
         per_row = req.nbytes // req.n_rows
         segments = []
         for unit, start, stop in runs:
@@ -269,6 +370,9 @@ class ControllerState:
         p = self.partitions[put.partition]
         if put.new_rows:
             p.commit_rows(put.rows, put.mask)
+            p.produced += len(put.rows)
+            if p.ttl is not None:
+                self._at(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
         else:
             gone = [r.id for r in put.rows if r.id not in p.rows]  # cleared while in flight
             if gone:
@@ -324,6 +428,7 @@ class ControllerState:
                 r.nbytes -= put.per_row
                 self.unit_bytes[r.unit] -= put.per_row
         p.forget_unused_schemas(put.fields, self._pending_fields(put.partition))
+        self._serve_parked_puts()
 
     # --- gets ---
     def get_meta(self, req: GetMeta, handle: Any, now: float) -> BatchMeta | None:
@@ -341,6 +446,7 @@ class ControllerState:
             raise InvalidRequestError(f"timeout must be >= 0 or None, got {req.timeout}")
         if req.lease_timeout is not None and req.lease_timeout <= 0:
             raise InvalidRequestError(f"lease_timeout must be > 0, got {req.lease_timeout}")
+        _check_window(req)
         p = self.partition(req.partition)
         mask = p.mask_of(req.fields)
         meta = self._try_serve(p, req, mask, now)
@@ -355,17 +461,39 @@ class ControllerState:
         return None
 
     def _try_serve(self, p: Partition, req: GetMeta, mask: int, now: float) -> BatchMeta | None:
-        rows = p.select(req.task, mask, req.batch_size, req.whole_groups)
+        fresh = None
+        if req.max_staleness is not None and req.current_version is not None:
+            oldest = req.current_version - req.max_staleness
+            measure = req.measure
+
+            def fresh(r: Row) -> bool:
+                v = version_of(r, measure)
+                return v is None or v >= oldest
+
+        rows = p.select(req.task, mask, req.batch_size, req.whole_groups, fresh)
+        dropped = 0
+        if p.stale_seen and req.on_stale == "drop":  # can never be in a window again: evict
+            stale = p.stale_seen
+            dropped = len(self._evict(p, stale, self.outbox))
+            p.stale_dropped += dropped
+            p.task(req.task).stale_dropped += dropped
         if rows is None:
             return None
         lease_id = next(self._ids)
         p.lease(req.task, rows, lease_id)
         lease = _Lease(
-            lease_id, p.name, req.task, set(rows), now + (req.lease_timeout or self.lease_timeout)
+            lease_id,
+            p.name,
+            req.task,
+            set(rows),
+            now + (req.lease_timeout or self.lease_timeout),
+            req.current_version,
+            req.measure,
         )
         self.leases[lease_id] = lease
         self._at(lease.deadline, "lease", lease_id)
-        return self._meta(p, [p.rows[r] for r in rows], req.fields, req.task, lease_id)
+        meta = self._meta(p, [p.rows[r] for r in rows], req.fields, req.task, lease_id)
+        return msgspec.structs.replace(meta, stale_dropped=dropped) if dropped else meta
 
     def _serve_parked(self, partition: str, effects: Effects, now: float) -> None:
         waiting = self.parked.get(partition)
@@ -433,8 +561,19 @@ class ControllerState:
         rows = [r for r in row_ids if r in lease.rows]
         n = p.ack(task, rows)
         lease.rows.difference_update(rows)
+        if lease.current_version is not None:
+            hist = p.task(task).lag
+            for rid in rows:
+                v = version_of(p.rows[rid], lease.measure)
+                if v is not None:
+                    lag = lease.current_version - v
+                    hist[lag] = hist.get(lag, 0) + 1
         if not lease.rows:
             self._end_lease(lease, "acked")
+        if p.registered and task in p.registered:  # free rows every registered task consumed
+            tasks = [p.tasks.get(t) for t in p.registered]
+            done = [r for r in rows if all(t is not None and r in t.acked for t in tasks)]
+            p.freed += len(self._evict(p, done, self.outbox))
         return n
 
     def release(
@@ -498,19 +637,152 @@ class ControllerState:
 
     # --- clearing ---
     def clear_samples(self, partition: str, row_ids: list[int]) -> Effects:
-        p = self.partition(partition)
         effects = Effects()
+        self._evict(self.partition(partition), row_ids, effects)
+        return effects
+
+    def _evict(self, p: Partition, row_ids: list[int], effects: Effects) -> list[Row]:
+        """Delete committed rows for every task and order their storage freed."""
         removed = p.remove_rows([r for r in row_ids if r in p.rows and p.rows[r].committed])
         for r in removed:
             self.unit_bytes[r.unit] -= r.nbytes
-            effects.drop_rows.setdefault(r.unit, {}).setdefault(partition, []).append(r.id)
+            effects.drop_rows.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
         ids = {r.id for r in removed}
-        for lease in list(self.leases.values()):
-            if lease.partition == partition and lease.rows & ids:
-                lease.rows -= ids
-                if not lease.rows:
-                    self._end_lease(lease, "cleared")
-        return effects
+        if ids:
+            for lease in list(self.leases.values()):
+                if lease.partition == p.name and lease.rows & ids:
+                    lease.rows -= ids
+                    if not lease.rows:
+                        self._end_lease(lease, "cleared")
+            self._serve_parked_puts()
+        return removed
+
+    def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
+        free = sum(q - b for q, b in zip(self.unit_quota, self.unit_bytes, strict=True) if q)
+        return CapacityError(
+            f"a put of {req.n_rows} rows ({req.nbytes} bytes) to partition {req.partition!r} did "
+            f"not fit in storage within {waited:.1f}s: {free} bytes free under the units' quotas "
+            f"({sum(self.unit_quota)} in all); consume and ack (registered tasks free rows), "
+            f"clear rows, or raise max_bytes on the storage units",
+            nbytes=req.nbytes,
+            free=free,
+        )
+
+    def _serve_parked_puts(self) -> None:
+        """Bytes were freed: retry waiting puts in arrival order."""
+        for handle, (req, since) in list(self.waiting_puts.items()):
+            if handle not in self.waiting_puts:
+                continue
+            del self.waiting_puts[handle]
+            try:
+                plan = self.prepare_put(req, since, handle)
+            except TQStreamError as exc:
+                self.outbox.failed.append((handle, exc))
+                continue
+            if plan is not None:
+                self.outbox.replies.append((handle, plan))
+
+    # --- admission ---
+    def create_admission(self, name: str, style: str, config: dict[str, int]) -> None:
+        """Create admission ``name``; creating it again with the same settings is a no-op, so
+        every producer and trainer process can call it at start-up."""
+        existing = self.admissions.get(name)
+        if existing is not None:
+            if (existing[1], existing[2]) != (style, config):
+                raise AdmissionError(
+                    f"admission {name!r} already exists as {existing[1]} {existing[2]}; it cannot "
+                    f"be re-created as {style} {config} (use another name)",
+                    name=name,
+                )
+            return
+        self.admissions[name] = (make_admission(style, **config), style, dict(config))
+
+    def _admission(self, name: str) -> Admission:
+        entry = self.admissions.get(name)
+        if entry is None:
+            raise AdmissionError(
+                f"admission {name!r} does not exist; create it first with "
+                f"client.admission(style, name={name!r}, ...)",
+                name=name,
+            )
+        return entry[0]
+
+    def acquire(self, req: Acquire, now: float, handle: Any = None) -> list[int] | None:
+        """Up to ``req.n`` slots; None when none can be granted yet and the caller waits."""
+        adm = self._admission(req.name)
+        if req.n < 1:
+            raise InvalidRequestError(f"acquire needs n >= 1, got {req.n}")
+        if req.force:
+            if not isinstance(adm, CapacityAdmission):
+                raise AdmissionError("force= (on_rollout_submitted) is for capacity admission")
+            return [adm.on_rollout_submitted()]
+        granted = adm.try_acquire(req.n, req.version)
+        if granted or not req.wait or handle is None:
+            return granted
+        if req.timeout == 0:
+            raise self._acquire_timeout(req, 0.0)
+        self.waiting_acquires[handle] = (req, now)
+        if req.timeout is not None:
+            self._at(now + req.timeout, "acquire", handle)
+        return None
+
+    def _acquire_timeout(self, req: Acquire, waited: float) -> RequestTimeoutError:
+        state = self._admission(req.name).state()
+        return RequestTimeoutError(
+            f"no admission slot of {req.name!r} ({state['style']}) was free within {waited:.1f}s "
+            f"for version {req.version}: {state}; the trainer must consume and publish a new "
+            f"version (on_version) or producers release slots",
+            name=req.name,
+        )
+
+    def _wake_acquires(self, name: str) -> None:
+        for handle, (req, _) in list(self.waiting_acquires.items()):
+            if req.name != name:
+                continue
+            granted = self._admission(name).try_acquire(req.n, req.version)
+            if granted:
+                del self.waiting_acquires[handle]
+                self.outbox.replies.append((handle, Slots(rid=0, slot_ids=granted)))
+
+    def release_slots(self, name: str, slot_ids: list[int], outcome: str) -> None:
+        self._admission(name).release(slot_ids, outcome)
+        self._wake_acquires(name)
+
+    def admission_version(
+        self, name: str, version: int, recovered: bool, reset: bool = False
+    ) -> None:
+        adm = self._admission(name)
+        if reset:
+            if not isinstance(adm, SlotAdmission):
+                raise AdmissionError(
+                    f"reset_staleness is for slots admission; {name!r} is "
+                    f"{self.admissions[name][1]}: call on_version(v) after each weight sync",
+                    name=name,
+                )
+            adm.reset_staleness()
+        elif recovered:
+            adm.on_version_recovered(version)
+        else:
+            adm.on_version(version)
+        self._wake_acquires(name)
+
+    def admission_info(
+        self, name: str, version: int | None, enqueued: int
+    ) -> tuple[dict[str, int | float | str], int | None]:
+        adm = self._admission(name)
+        capacity = None
+        if isinstance(adm, CapacityAdmission):
+            for _ in range(enqueued):
+                adm.on_rollout_enqueued()
+            if version is not None:
+                capacity = adm.get_capacity(version)
+        return adm.state(), capacity
+
+    def count_rejected(self, partition: str, count: int) -> None:
+        if count < 0:
+            raise InvalidRequestError(f"a rejected count must be >= 0, got {count}")
+        self.create_partition(partition, [])
+        self.partitions[partition].rejected += count
 
     def clear_partition(self, partition: str) -> Effects:
         p = self.partition(partition)
@@ -535,6 +807,7 @@ class ControllerState:
                 )
             )
         del self.partitions[partition]
+        self._serve_parked_puts()
         return effects
 
     # --- time ---
@@ -556,6 +829,19 @@ class ControllerState:
                     p.release(lease.task, sorted(lease.rows))
                     self._end_lease(lease, "expired")
                     touched.add(lease.partition)
+            elif kind == "acquire":
+                waited = self.waiting_acquires.pop(ref, None)
+                if waited is not None:
+                    effects.failed.append((ref, self._acquire_timeout(waited[0], now - waited[1])))
+            elif kind == "putwait":
+                put_wait = self.waiting_puts.pop(ref, None)
+                if put_wait is not None:
+                    error = self._capacity_error(put_wait[0], now - put_wait[1])
+                    effects.failed.append((ref, error))
+            elif kind == "ttl":
+                owner: Partition = ref[0]
+                if self.partitions.get(owner.name) is owner:  # not cleared and re-created since
+                    owner.expired += len(self._evict(owner, ref[1], effects))
             elif kind == "put":
                 put = self.pending.pop(ref, None)
                 if put is not None:
@@ -633,5 +919,14 @@ class ControllerState:
                     1 for q in self.pending.values() if q.partition == name and not q.cancelled
                 ),
                 parked_requests=len(self.parked.get(name, {})),
+                produced=p.produced,
+                rejected=p.rejected,
+                stale_dropped=p.stale_dropped,
+                expired=p.expired,
+                freed=p.freed,
+                tasks_registered=list(p.registered),
             )
         return out
+
+    def admission_stats(self) -> dict[str, dict[str, int | float | str]]:
+        return {name: entry[0].state() for name, entry in sorted(self.admissions.items())}

@@ -65,11 +65,19 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
 # --- controller requests ---
 class RegisterUnit(_Msg, frozen=True, tag="register_unit"):
     address: str
+    max_bytes: int = 0  # the unit's byte quota; 0: unlimited
 
 
 class CreatePartition(_Msg, frozen=True, tag="create_partition"):
     partition: str
     fields: list[str] = []
+    tasks: list[str] | None = None  # registered consumer tasks: a row all of them acked is freed
+    ttl: float | None = None  # seconds a committed row lives before it is evicted
+
+
+class CountRejected(_Msg, frozen=True, tag="count_rejected"):
+    partition: str
+    count: int
 
 
 class PreparePut(_Msg, frozen=True, tag="prepare_put"):
@@ -81,6 +89,11 @@ class PreparePut(_Msg, frozen=True, tag="prepare_put"):
     groups: list[str | None] | None = None
     group_size: int | None = None
     version: int | None = None
+    version_start: list[int | None] | None = None  # per row, derived from per-token versions
+    version_end: list[int | None] | None = None
+    dispatch_version: list[int | None] | None = None
+    rejected: int = 0  # rows of this put refused by the producer (mixed versions)
+    timeout: float | None = None  # wait this long for storage room (byte quotas)
 
 
 class PrepareFields(_Msg, frozen=True, tag="prepare_fields"):
@@ -106,6 +119,10 @@ class GetMeta(_Msg, frozen=True, tag="get_meta"):
     whole_groups: bool = False
     lease_timeout: float | None = None
     timeout: float | None = None
+    current_version: int | None = None
+    max_staleness: int | None = None
+    measure: str = "head"  # "head" (version_start) | "tail" (version_end) | "dispatch"
+    on_stale: str = "keep"  # "keep" | "drop"
 
 
 class GetByKeys(_Msg, frozen=True, tag="get_by_keys"):
@@ -176,6 +193,46 @@ class GetUnitStats(_Msg, frozen=True, tag="get_unit_stats"):
     pass
 
 
+# --- admission (producer flow control) ---
+class CreateAdmission(_Msg, frozen=True, tag="create_admission"):
+    name: str
+    style: str
+    config: dict[str, int]
+
+
+class Acquire(_Msg, frozen=True, tag="acquire"):
+    """Ask for up to ``n`` slots; waits (parked) until at least one is granted unless ``wait`` is
+    false; ``force`` grants one regardless of capacity (AReaL's on_rollout_submitted)."""
+
+    name: str
+    n: int = 1
+    version: int = 0
+    wait: bool = True
+    timeout: float | None = None
+    force: bool = False
+
+
+class ReleaseSlots(_Msg, frozen=True, tag="release_slots"):
+    name: str
+    slot_ids: list[int]
+    outcome: str = "accepted"
+
+
+class AdmissionVersion(_Msg, frozen=True, tag="admission_version"):
+    """The trainer published ``version`` (``recovered``: restarted from a checkpoint at it)."""
+
+    name: str
+    version: int
+    recovered: bool = False
+    reset: bool = False  # verl's reset_staleness: reopen the version window unconditionally
+
+
+class AdmissionInfo(_Msg, frozen=True, tag="admission_info"):
+    name: str
+    version: int | None = None
+    enqueued: int = 0
+
+
 Request = (
     Hello
     | RegisterUnit
@@ -198,6 +255,12 @@ Request = (
     | DropChunks
     | DropPartition
     | GetUnitStats
+    | CountRejected
+    | CreateAdmission
+    | Acquire
+    | ReleaseSlots
+    | AdmissionVersion
+    | AdmissionInfo
 )
 
 
@@ -252,6 +315,15 @@ class UnitStatsReply(_Msg, frozen=True, tag="unit_stats"):
     stats: UnitStats
 
 
+class Slots(_Msg, frozen=True, tag="slots"):
+    slot_ids: list[int]
+
+
+class AdmissionReply(_Msg, frozen=True, tag="admission"):
+    state: dict[str, int | float | str]
+    capacity: int | None = None
+
+
 Reply = (
     Ok
     | ErrorReply
@@ -264,6 +336,8 @@ Reply = (
     | StatsReply
     | Columns
     | UnitStatsReply
+    | Slots
+    | AdmissionReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

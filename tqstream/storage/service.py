@@ -75,7 +75,8 @@ class StorageService:
             max_message_bytes=self.config.max_message_bytes,
         )
         try:
-            reply, _ = await conn.request(RegisterUnit(rid=0, address=self.address), timeout=30.0)
+            msg = RegisterUnit(rid=0, address=self.address, max_bytes=self.config.max_bytes)
+            reply, _ = await conn.request(msg, timeout=30.0)
         finally:
             await conn.close()
         self.unit = reply.unit
@@ -112,7 +113,13 @@ class StorageService:
                 s.drop_partition(msg.partition)
                 return Ok(rid=msg.rid)
             case GetUnitStats():
-                stats = UnitStats(address=self.address, bytes=s.bytes, chunks=s.chunks, rows=s.rows)
+                stats = UnitStats(
+                    address=self.address,
+                    bytes=s.bytes,
+                    chunks=s.chunks,
+                    rows=s.rows,
+                    max_bytes=self.config.max_bytes,
+                )
                 return UnitStatsReply(rid=msg.rid, stats=stats)
             case _:
                 raise InvalidRequestError(
