@@ -104,12 +104,14 @@ def init(
     lease_timeout: float | None = None,
     put_timeout: float | None = None,
     max_message_bytes: int | None = None,
+    storage_max_bytes: int | None = None,
     client_config: ClientConfig | None = None,
 ) -> Any:
     """Start an embedded controller and ``storage_units`` storage units; return a client.
 
-    Closing the client stops them. Settings left as None come from ``TQSTREAM_*`` environment
-    variables or the defaults in :mod:`tqstream.config`.
+    ``storage_max_bytes``: byte quota per storage unit (puts wait for room, then raise
+    CapacityError). Closing the client stops them. Settings left as None come from
+    ``TQSTREAM_*`` environment variables or the defaults in :mod:`tqstream.config`.
     """
     from tqstream.client.client import Client
 
@@ -121,7 +123,13 @@ def init(
         host="127.0.0.1",
         port=0,
     )
-    sc = from_env(StorageConfig, max_message_bytes=max_message_bytes, host="127.0.0.1", port=0)
+    sc = from_env(
+        StorageConfig,
+        max_message_bytes=max_message_bytes,
+        max_bytes=storage_max_bytes,
+        host="127.0.0.1",
+        port=0,
+    )
     cluster = EmbeddedCluster(cc, sc, storage_units)
     try:
         return Client(cluster.address, client_config, on_close=cluster.close)

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from tqstream.config import ControllerConfig
+from tqstream.config import ControllerConfig, StorageConfig
 
 __all__ = ["ProcessCluster", "main"]
 
@@ -40,6 +40,7 @@ class ProcessCluster:
         lease_timeout: float | None = None,
         put_timeout: float | None = None,
         max_message_bytes: int | None = None,
+        storage_max_bytes: int | None = None,
     ) -> None:
         if storage_units < 1:
             raise ValueError(f"--storage-units must be at least 1, got {storage_units}")
@@ -55,8 +56,11 @@ class ProcessCluster:
         try:
             controller = self._spawn(["controller", "--host", host, "--port", str(port), *extra])
             self.address = self._ready(controller, "controller")
+            quota = [] if storage_max_bytes is None else ["--max-bytes", str(storage_max_bytes)]
             units = [
-                self._spawn(["storage", "--host", host, "--controller", self.address, *extra])
+                self._spawn(
+                    ["storage", "--host", host, "--controller", self.address, *extra, *quota]
+                )
                 for _ in range(storage_units)
             ]  # start together, then wait for each
             self.unit_addresses = [self._ready(u, "storage unit") for u in units]
@@ -153,6 +157,13 @@ def _parser() -> argparse.ArgumentParser:
             default=f.default,
             help=f"{docs.get(f.name, '')} (default: {f.default})",
         )
+    sdocs = _field_docs(StorageConfig)
+    p.add_argument(
+        "--storage-max-bytes",
+        type=int,
+        default=StorageConfig.max_bytes,
+        help=f"{sdocs['max_bytes']} Per storage unit. (default: {StorageConfig.max_bytes})",
+    )
     return p
 
 
@@ -175,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             lease_timeout=args.lease_timeout,
             put_timeout=args.put_timeout,
             max_message_bytes=args.max_message_bytes,
+            storage_max_bytes=args.storage_max_bytes or None,
         )
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"tqstream-launch: {exc}", file=sys.stderr)

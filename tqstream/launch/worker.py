@@ -52,7 +52,11 @@ async def _run(args: argparse.Namespace) -> None:
 
         service = StorageService(
             from_env(
-                StorageConfig, host=args.host, port=0, max_message_bytes=args.max_message_bytes
+                StorageConfig,
+                host=args.host,
+                port=0,
+                max_message_bytes=args.max_message_bytes,
+                max_bytes=args.max_bytes,
             ),
             args.controller,
         )
@@ -77,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lease-timeout", type=float, default=None)
     p.add_argument("--put-timeout", type=float, default=None)
     p.add_argument("--max-message-bytes", type=int, default=None)
+    p.add_argument("--max-bytes", type=int, default=None)
     p.add_argument("--watch-stdin", action="store_true")
     args = p.parse_args(argv)
     asyncio.run(_run(args))
