@@ -21,14 +21,13 @@ import zmq.asyncio
 
 from tqstream.config import ClientConfig
 from tqstream.errors import InternalError, InvalidRequestError, TQStreamError
-from tqstream.protocol.codec import Column, column_from_wire, column_to_wire
+from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
     AbortPut,
     Ack,
     ClearPartition,
     ClearSamples,
-    ColumnRef,
     Columns,
     CommitPut,
     CountRejected,
@@ -59,13 +58,8 @@ GET_GRACE = 10.0
 
 def _store_message(
     partition: str, chunk: int, row_ids: list[int], columns: Mapping[str, Column]
-) -> tuple[Store, list[Any]]:
-    refs: list[ColumnRef] = []
-    buffers: list[Any] = []
-    for name, col in columns.items():
-        ref, bufs = column_to_wire(name, col, 1 + len(buffers))
-        refs.append(ref)
-        buffers.extend(bufs)
+) -> tuple[Store, list[memoryview]]:
+    refs, buffers = columns_to_wire(columns)
     return Store(rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs), buffers
 
 

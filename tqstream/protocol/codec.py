@@ -382,6 +382,19 @@ def column_to_wire(name: str, col: Column, first_frame: int) -> tuple[ColumnRef,
     return ColumnRef(name, col.schema, values, offsets), frames
 
 
+def columns_to_wire(
+    columns: Mapping[str, Column],
+) -> tuple[list[ColumnRef], list[memoryview]]:
+    """Header entries and frames of several columns, frames numbered from 1 (after the header)."""
+    refs: list[ColumnRef] = []
+    buffers: list[memoryview] = []
+    for name, col in columns.items():
+        ref, bufs = column_to_wire(name, col, 1 + len(buffers))
+        refs.append(ref)
+        buffers.extend(bufs)
+    return refs, buffers
+
+
 def column_from_wire(ref: ColumnRef, frames: Sequence[Any], n_rows: int | None = None) -> Column:
     """Rebuild a column from its header entry and the message's frames (0-based, 0 = header).
 

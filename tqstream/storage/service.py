@@ -17,9 +17,8 @@ import zmq.asyncio
 
 from tqstream.config import ClientConfig, StorageConfig
 from tqstream.errors import InvalidRequestError
-from tqstream.protocol.codec import column_from_wire, column_to_wire
+from tqstream.protocol.codec import column_from_wire, columns_to_wire
 from tqstream.protocol.messages import (
-    ColumnRef,
     Columns,
     DropChunks,
     DropPartition,
@@ -97,12 +96,7 @@ class StorageService:
                 return Ok(rid=msg.rid, count=len(msg.row_ids))
             case Fetch():
                 columns = s.fetch(msg.partition, msg.row_ids, msg.fields)
-                refs: list[ColumnRef] = []
-                buffers: list[Any] = []
-                for name, col in columns.items():
-                    ref, bufs = column_to_wire(name, col, 1 + len(buffers))
-                    refs.append(ref)
-                    buffers.extend(bufs)
+                refs, buffers = columns_to_wire(columns)
                 return Columns(rid=msg.rid, columns=refs), buffers
             case DropRows():
                 return Ok(rid=msg.rid, count=s.drop_rows(msg.partition, msg.row_ids))
