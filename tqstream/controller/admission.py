@@ -27,6 +27,7 @@ OUTCOMES = ("accepted", "rejected")
 
 class Admission(Protocol):
     style: str
+    version: int
 
     def try_acquire(self, n: int, version: int) -> list[int]: ...
     def release(self, slot_ids: Iterable[int], outcome: str) -> None: ...

@@ -106,6 +106,7 @@ class ControllerService:
     def handle(self, msg: Any, frames: list[Any], responder: Responder) -> Any:
         now = asyncio.get_running_loop().time()
         s = self.state
+        s.now = max(s.now, now)
         try:
             match msg:
                 case GetMeta():

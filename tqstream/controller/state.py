@@ -143,6 +143,7 @@ class _Parked:
     handle: Any
     req: GetMeta
     mask: int
+    dropped: int = 0  # rows evicted as stale by its tries so far (reported when served)
 
 
 class ControllerState:
@@ -154,6 +155,7 @@ class ControllerState:
         self.unit_bytes: list[int] = []
         self.unit_quota: list[int] = []  # 0: unlimited
         self.waiting_puts: dict[Any, tuple[PreparePut, float]] = {}  # handle -> (put, since)
+        self.now = 0.0  # the latest time seen: a put woken by freed bytes is planned at it
         self.admissions: dict[str, tuple[Admission, str, dict[str, int]]] = {}
         self.waiting_acquires: dict[Any, tuple[Acquire, float]] = {}  # handle -> (req, since)
         self.pending: dict[int, _PendingPut] = {}
@@ -215,9 +217,13 @@ class ControllerState:
             p.ttl = ttl
 
     # --- puts ---
-    def prepare_put(self, req: PreparePut, now: float, handle: Any = None) -> PutPlan | None:
+    def prepare_put(
+        self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
+    ) -> PutPlan | None:
         """Validate and reserve; with ``handle``, a put that does not fit the units' byte quotas
-        waits (returns None; answered later through ``take_effects``) up to ``req.timeout``."""
+        waits (returns None; answered later through ``take_effects``) up to ``req.timeout``.
+        ``since``: when a waiting put first asked (its timeout counts from then)."""
+        self.now = max(self.now, now)
         if req.n_rows <= 0 or not req.schemas:
             raise InvalidRequestError(
                 f"a put needs at least one row and one field (got "
@@ -243,8 +249,8 @@ class ControllerState:
         if runs is None:  # no room now: back-pressure, never a silent drop
             if handle is None or req.timeout == 0:
                 raise self._capacity_error(req, 0.0)
-            self.waiting_puts[handle] = (req, now)
-            if req.timeout is not None:
+            self.waiting_puts[handle] = (req, now if since is None else since)
+            if req.timeout is not None and since is None:
                 self._at(now + req.timeout, "putwait", handle)
             return None
         created = req.partition not in self.partitions
@@ -449,18 +455,20 @@ class ControllerState:
         _check_window(req)
         p = self.partition(req.partition)
         mask = p.mask_of(req.fields)
-        meta = self._try_serve(p, req, mask, now)
+        parked = _Parked(handle, req, mask)
+        meta = self._try_serve(p, req, mask, now, parked)
         if meta is not None:
             return meta
         if req.timeout == 0:
             raise self._timeout_error(p, req)
-        parked = _Parked(handle, req, mask)
         self.parked.setdefault(req.partition, {})[handle] = parked
         if req.timeout is not None:
             self._at(now + req.timeout, "park", parked)
         return None
 
-    def _try_serve(self, p: Partition, req: GetMeta, mask: int, now: float) -> BatchMeta | None:
+    def _try_serve(
+        self, p: Partition, req: GetMeta, mask: int, now: float, parked: _Parked
+    ) -> BatchMeta | None:
         fresh = None
         if req.max_staleness is not None and req.current_version is not None:
             oldest = req.current_version - req.max_staleness
@@ -477,6 +485,7 @@ class ControllerState:
             dropped = len(self._evict(p, stale, self.outbox))
             p.stale_dropped += dropped
             p.task(req.task).stale_dropped += dropped
+        dropped = parked.dropped = parked.dropped + dropped
         if rows is None:
             return None
         lease_id = next(self._ids)
@@ -501,13 +510,29 @@ class ControllerState:
             return
         p = self.partitions[partition]
         for handle, parked in list(waiting.items()):
-            meta = self._try_serve(p, parked.req, parked.mask, now)
+            meta = self._try_serve(p, parked.req, parked.mask, now, parked)
             if meta is not None:
                 del waiting[handle]
                 effects.served.append((handle, meta))
 
     def _timeout_error(self, p: Partition, req: GetMeta) -> RequestTimeoutError:
         why = p.shortage(req.task, req.fields, req.batch_size, req.whole_groups)
+        if req.max_staleness is not None and req.current_version is not None:
+            oldest, mask = req.current_version - req.max_staleness, p.mask_of(req.fields)
+            stale = sum(
+                1
+                for r in p.rows.values()
+                if r.committed
+                and (r.written & mask) == mask
+                and p._available(r, req.task)
+                and (v := version_of(r, req.measure)) is not None
+                and v < oldest
+            )
+            why += (
+                f"; {stale} of the ready rows are outside the staleness window ({req.measure} "
+                f"version < {oldest} = current_version {req.current_version} - max_staleness "
+                f"{req.max_staleness})"
+            )
         return RequestTimeoutError(
             f"get_meta(partition={req.partition!r}, task={req.task!r}, fields={req.fields}, "
             f"batch_size={req.batch_size}) timed out after {req.timeout}s: {why}",
@@ -675,7 +700,7 @@ class ControllerState:
                 continue
             del self.waiting_puts[handle]
             try:
-                plan = self.prepare_put(req, since, handle)
+                plan = self.prepare_put(req, max(self.now, since), handle, since)
             except TQStreamError as exc:
                 self.outbox.failed.append((handle, exc))
                 continue
@@ -716,7 +741,7 @@ class ControllerState:
             if not isinstance(adm, CapacityAdmission):
                 raise AdmissionError("force= (on_rollout_submitted) is for capacity admission")
             return [adm.on_rollout_submitted()]
-        granted = adm.try_acquire(req.n, req.version)
+        granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
         if granted or not req.wait or handle is None:
             return granted
         if req.timeout == 0:
@@ -725,6 +750,13 @@ class ControllerState:
         if req.timeout is not None:
             self._at(now + req.timeout, "acquire", handle)
         return None
+
+    @staticmethod
+    def _acquire_version(adm: Admission, req: Acquire) -> int:
+        """The version an acquire is evaluated at: the producer's, or the newest one published
+        (on_version comes after the weight sync, so every producer holds at least that one). A
+        parked acquire is re-evaluated at it, so on_version can wake it."""
+        return req.version if req.version < 0 else max(req.version, adm.version)
 
     def _acquire_timeout(self, req: Acquire, waited: float) -> RequestTimeoutError:
         state = self._admission(req.name).state()
@@ -739,7 +771,8 @@ class ControllerState:
         for handle, (req, _) in list(self.waiting_acquires.items()):
             if req.name != name:
                 continue
-            granted = self._admission(name).try_acquire(req.n, req.version)
+            adm = self._admission(name)
+            granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
             if granted:
                 del self.waiting_acquires[handle]
                 self.outbox.replies.append((handle, Slots(rid=0, slot_ids=granted)))
@@ -818,6 +851,7 @@ class ControllerState:
         return self._deadlines[0][0] if self._deadlines else None
 
     def expire(self, now: float) -> Effects:
+        self.now = max(self.now, now)
         effects = Effects()
         touched: set[str] = set()
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -903,6 +937,7 @@ class ControllerState:
             schemas={f: p.schemas[f] for f in fields if f in p.schemas},
             task=task,
             lease_id=lease_id,
+            dispatch_version=[r.dispatch_version for r in rows],
         )
 
     def stats(self, partition: str | None) -> dict[str, PartitionStats]:

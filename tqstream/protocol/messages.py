@@ -187,6 +187,7 @@ class DropChunks(_Msg, frozen=True, tag="drop_chunks"):
 
 class DropPartition(_Msg, frozen=True, tag="drop_partition"):
     partition: str
+    before_chunk: int = 0  # only chunks with smaller ids (the cleared incarnation); 0: all
 
 
 class GetUnitStats(_Msg, frozen=True, tag="get_unit_stats"):

@@ -216,7 +216,18 @@ class ColumnStore:
                     del part.rows[row]
             self._release(part, chunk)
 
-    def drop_partition(self, partition: str) -> None:
+    def drop_partition(self, partition: str, before_chunk: int = 0) -> None:
+        """Drop the partition's chunks; with ``before_chunk``, only those with smaller ids.
+
+        Chunk ids grow monotonically at the controller, so ``before_chunk`` scopes the drop to the
+        incarnation of the partition that was cleared: a put to a re-created partition of the same
+        name may already have stored its chunks here when the drop order arrives.
+        """
+        if before_chunk:
+            part = self._partitions.get(partition)
+            if part is not None:
+                self.drop_chunks([c for c in list(part.chunks) if c < before_chunk])
+            return
         part = self._partitions.pop(partition, None)
         if part is not None:
             for chunk in part.chunks.values():

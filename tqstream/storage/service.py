@@ -104,7 +104,7 @@ class StorageService:
                 s.drop_chunks(msg.chunks)
                 return Ok(rid=msg.rid)
             case DropPartition():
-                s.drop_partition(msg.partition)
+                s.drop_partition(msg.partition, msg.before_chunk)
                 return Ok(rid=msg.rid)
             case GetUnitStats():
                 stats = UnitStats(
