@@ -804,7 +804,7 @@ class ControllerMachine(RuleBasedStateMachine):
     def clear_partition(self, name: str) -> None:
         effects = self.s.clear_partition(name)
         part = self.parts.pop(name)
-        assert effects.drop_partitions == [name]
+        assert [n for n, _ in effects.drop_partitions] == [name]
         assert not effects.served and not effects.drop_rows and not effects.drop_chunks
         for r in part.rows.values():
             self.bytes[r.unit] -= r.nbytes

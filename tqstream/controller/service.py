@@ -191,10 +191,9 @@ class ControllerService:
                 jobs.append((unit, DropRows(rid=0, partition=partition, row_ids=rows)))
         for unit, chunks in effects.drop_chunks.items():
             jobs.append((unit, DropChunks(rid=0, chunks=chunks)))
-        for partition in effects.drop_partitions:
-            jobs.extend(
-                (u, DropPartition(rid=0, partition=partition)) for u in range(len(self.units))
-            )
+        for partition, before in effects.drop_partitions:
+            order = DropPartition(rid=0, partition=partition, before_chunk=before)
+            jobs.extend((u, order) for u in range(len(self.units)))
         return [self._spawn(self._order(unit, req)) for unit, req in jobs]
 
     async def _order(self, unit: int, req: Any) -> None:

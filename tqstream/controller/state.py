@@ -100,7 +100,8 @@ class Effects:
     failed: list[tuple[Any, TQStreamError]] = dataclasses.field(default_factory=list)
     drop_rows: dict[int, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
     drop_chunks: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    drop_partitions: list[str] = dataclasses.field(default_factory=list)  # on every unit
+    # (partition, first chunk id after the clear): on every unit, drop the older chunks only
+    drop_partitions: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     replies: list[tuple[Any, msgspec.Struct]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -166,6 +167,7 @@ class ControllerState:
         self._deadlines: list[tuple[float, int, str, Any]] = []
         self._ids = itertools.count(1)
         self.outbox = Effects()  # effects of calls that return something else; see take_effects
+        self._next_rows: dict[str, int] = {}  # first row id of a re-created partition
 
     def take_effects(self) -> Effects:
         """Effects accumulated by calls since the last take (evictions, frees)."""
@@ -209,6 +211,7 @@ class ControllerState:
         p = self.partitions.get(name)
         if p is None:
             p = self.partitions[name] = Partition(name, f"{secrets.token_hex(4)}-")
+            p.next_row = self._next_rows.get(name, 0)
             p.born = next(self._ids)  # leases with smaller ids belong to an earlier incarnation
         p.declare(fields)
         if tasks is not None:
@@ -822,7 +825,10 @@ class ControllerState:
         effects = Effects()
         for r in p.rows.values():
             self.unit_bytes[r.unit] -= r.nbytes
-        effects.drop_partitions.append(partition)
+        # A put to a re-created partition of this name can reach a unit before this order: scope
+        # the drop to older chunks, and never reuse row ids under the name (see create_partition).
+        effects.drop_partitions.append((partition, next(self._ids)))
+        self._next_rows[partition] = p.next_row
         for put in self.pending.values():
             if put.partition == partition:
                 put.cancelled = True  # commit or deadline still drops its chunks
