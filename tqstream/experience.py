@@ -121,7 +121,13 @@ class Experience:
         self.admission, self.versions_field = admission, versions_field
         self.reject_mixed_versions, self.lease_timeout, self.ttl = (
             reject_mixed_versions, lease_timeout, ttl)  # fmt: skip
-        client.create_partition(partition, self.fields or (), tasks=self.tasks, ttl=ttl)
+        client.create_partition(
+            partition,
+            self.fields or (),
+            tasks=self.tasks,
+            ttl=ttl,
+            admission=None if admission is None else admission.name,
+        )
 
     def _put_args(self, data: Any, version: int, group: Any, groups: Sequence[Any] | None,
                   slots: Sequence[int] | None, **rest: Any) -> dict[str, Any]:  # fmt: skip

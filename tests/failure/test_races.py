@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -31,3 +32,37 @@ def test_put_waiting_for_room_survives_clear_partition() -> None:
             got = client.get("q", "x", 1, "t", timeout=5)
             assert torch.equal(got.data["x"], torch.ones(1, 256))
             assert client.stats().storage_bytes == 1024
+
+
+def test_stale_evictions_return_budget_so_the_trainer_is_not_starved() -> None:
+    """Capacity admission with max_staleness=0: a partial rollout that straddles a weight update
+    is evicted by the window; without giving its budget back, no producer could ever fill the
+    trainer's next batch (a deadlock)."""
+    with tqstream.init() as client:
+        adm = client.admission(
+            "capacity", name="r", max_concurrent=4, max_staleness=0, consumer_batch_size=2
+        )
+        client.create_partition("train", ["tok"], admission="r")
+
+        def put(version: int, versions: list[list[int]], group: str) -> None:
+            slots = adm.acquire(2, version=version, timeout=5)
+            data = {"tok": [torch.arange(2)] * 2, "versions": [torch.tensor(v) for v in versions]}
+            client.put(data, "train", groups=[group] * 2, version=version)
+            adm.release(slots, "accepted")
+
+        def get(version: int, timeout: float) -> tqstream.Batch:
+            return client.get(
+                "train", "tok", 2, "actor", whole_groups=True, timeout=timeout,
+                current_version=version, max_staleness=0, on_stale="drop",
+            )  # fmt: skip
+
+        put(0, [[0, 0], [0, 0]], "a")
+        get(0, 5).ack()
+        adm.on_version(1)
+        put(1, [[0, 1], [1, 1]], "b")  # head version 0: stale at version 1
+        with contextlib.suppress(tqstream.RequestTimeoutError):
+            get(1, 0.3)  # evicts group b as stale
+        assert client.stats("train").partitions["train"].stale_dropped == 2
+        assert adm.state()["dropped"] == 2
+        put(1, [[1, 1], [1, 1]], "c")  # would block forever without the budget back
+        assert get(1, 5).meta.version_start == [1, 1]

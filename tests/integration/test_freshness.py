@@ -20,6 +20,7 @@ from tqstream import Client
 from tqstream.client.admission import AdmissionHandle
 from tqstream.config import ControllerConfig, StorageConfig
 from tqstream.launch.embedded import EmbeddedCluster
+from tqstream.launch.processes import ProcessCluster
 
 
 def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -389,10 +390,15 @@ def test_ttl_evicts_rows(client: Client, partition: str) -> None:
 ROW = 256 * 4  # bytes of one row of float32[256]
 
 
-@pytest.fixture
-def quota() -> Iterator[Client]:
-    """An embedded cluster with one storage unit holding at most 4 rows; put_timeout 1 s."""
-    cluster = EmbeddedCluster(ControllerConfig(put_timeout=1.0), StorageConfig(max_bytes=4 * ROW))
+@pytest.fixture(params=["embedded", "processes"])
+def quota(request: pytest.FixtureRequest) -> Iterator[Client]:
+    """A cluster with one storage unit holding at most 4 rows; put_timeout 1 s."""
+    cluster: EmbeddedCluster | ProcessCluster
+    if request.param == "embedded":
+        storage = StorageConfig(max_bytes=4 * ROW)
+        cluster = EmbeddedCluster(ControllerConfig(put_timeout=1.0), storage)
+    else:
+        cluster = ProcessCluster(1, put_timeout=1.0, storage_max_bytes=4 * ROW)
     try:
         with tqstream.connect(cluster.address) as c:
             yield c
@@ -660,6 +666,7 @@ def test_try_acquire_never_waits_and_release_is_idempotent(client: Client, parti
         "accepted": 2,
         "rejected": 1,
         "enqueued": 0,
+        "dropped": 0,
         "capacity": 2,  # (0 + 0 + 1) * 4 - 2 accepted
         "max_concurrent": 3,
         "max_staleness": 0,
@@ -806,7 +813,7 @@ with tqstream.connect(address) as c:
     got = []
     while True:
         try:
-            ids = adm.acquire(1, timeout=3)
+            ids = adm.acquire(1, timeout=2)
         except tqstream.RequestTimeoutError:
             break
         got += ids

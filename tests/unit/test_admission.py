@@ -581,3 +581,16 @@ class PerVersionMachine(_Machine):
 TestCapacityMachine = SETTINGS(CapacityMachine).TestCase
 TestSlotMachine = SETTINGS(SlotMachine).TestCase
 TestPerVersionMachine = SETTINGS(PerVersionMachine).TestCase
+
+
+def test_stale_drops_give_capacity_back() -> None:
+    """Accepted samples evicted as stale no longer hold budget (else the trainer starves)."""
+    adm = CapacityAdmission(max_concurrent=4, max_staleness=0, consumer_batch_size=2)
+    ids = adm.try_acquire(2, 0)
+    adm.release(ids, "accepted")
+    assert adm.get_capacity(0) == 0
+    adm.on_dropped(2)
+    assert adm.get_capacity(0) == 2
+    assert adm.state()["dropped"] == 2 and adm.state()["accepted"] == 0
+    adm.on_dropped(5)  # never below zero accepted
+    assert adm.state()["accepted"] == 0 and adm.state()["dropped"] == 2

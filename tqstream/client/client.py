@@ -291,12 +291,16 @@ class Client:
         *,
         tasks: Sequence[str] | None = None,
         ttl: float | None = None,
+        admission: str | None = None,
     ) -> None:
         """Create ``partition`` and declare ``fields``, so gets wait for them instead of failing.
 
         ``tasks``: register the consumer tasks; a row is freed (storage released) as soon as all
         of them acked it. ``ttl``: seconds a committed row lives before it is evicted (counted in
-        stats as expired). Calling it again adds fields and updates tasks/ttl.
+        stats as expired). ``admission``: the name of the capacity admission whose producers feed
+        this partition; rows evicted as stale give their budget back to it, so the trainer is
+        never starved by samples it could not use. Calling it again adds fields and updates
+        tasks/ttl/admission.
         """
         msg = CreatePartition(
             rid=0,
@@ -304,6 +308,7 @@ class Client:
             fields=list(fields),
             tasks=None if tasks is None else list(tasks),
             ttl=ttl,
+            admission=admission,
         )
         self._sync(self._core.call, msg)
 
@@ -314,6 +319,7 @@ class Client:
         *,
         tasks: Sequence[str] | None = None,
         ttl: float | None = None,
+        admission: str | None = None,
     ) -> None:
         msg = CreatePartition(
             rid=0,
@@ -321,6 +327,7 @@ class Client:
             fields=list(fields),
             tasks=None if tasks is None else list(tasks),
             ttl=ttl,
+            admission=admission,
         )
         await self._async(self._core.call, msg)
 

@@ -185,6 +185,7 @@ class CapacityAdmission(_Slots):
         self.max_staleness = max_staleness
         self.consumer_batch_size = consumer_batch_size
         self.enqueued = 0
+        self.dropped = 0  # accepted samples later evicted as stale (their budget came back)
 
     def get_capacity(self, version: int) -> int:
         """AReaL's get_capacity; may be negative after ``on_rollout_submitted`` over capacity."""
@@ -211,6 +212,15 @@ class CapacityAdmission(_Slots):
         self.accepted = self.version * self.consumer_batch_size
         self._void()
 
+    def on_dropped(self, n: int) -> None:
+        """``n`` accepted samples were evicted as stale before any trainer consumed them: they
+        no longer count against the staleness budget, or the trainer, short of ``n`` samples,
+        would wait for producers that the formula keeps blocked (a deadlock once more than
+        ``max_staleness * consumer_batch_size`` were dropped)."""
+        dropped = min(n, self.accepted)
+        self.accepted -= dropped
+        self.dropped += dropped
+
     # --- AReaL's names, same semantics ---
     def on_rollout_enqueued(self) -> None:
         self.enqueued += 1
@@ -229,6 +239,7 @@ class CapacityAdmission(_Slots):
         return {
             **self._common(),
             "enqueued": self.enqueued,
+            "dropped": self.dropped,
             "capacity": self.get_capacity(self.version),
             "max_concurrent": self.max_concurrent,
             "max_staleness": self.max_staleness,

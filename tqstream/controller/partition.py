@@ -96,6 +96,7 @@ class Partition:
         self.born = 0  # set by the controller: the id counter's value at creation
         self.registered: list[str] = []  # a row all of these tasks acked is freed
         self.ttl: float | None = None
+        self.admission: str | None = None  # a capacity admission gets stale evictions back
         self.produced = self.rejected = self.stale_dropped = self.expired = self.freed = 0
         self.stale_seen: list[int] = []  # filled by select() under a staleness window
 

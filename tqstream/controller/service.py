@@ -138,7 +138,7 @@ class ControllerService:
                 case ListKeys():
                     return KeysReply(rid=msg.rid, keys=s.list_keys(msg.partition))
                 case CreatePartition():
-                    s.create_partition(msg.partition, msg.fields, msg.tasks, msg.ttl)
+                    s.create_partition(msg.partition, msg.fields, msg.tasks, msg.ttl, msg.admission)
                     return Ok(rid=msg.rid)
                 case CountRejected():
                     s.count_rejected(msg.partition, msg.count)

@@ -201,6 +201,7 @@ class ControllerState:
         fields: list[str],
         tasks: list[str] | None = None,
         ttl: float | None = None,
+        admission: str | None = None,
     ) -> None:
         if not name:
             raise InvalidRequestError("partition name must be a non-empty string")
@@ -218,6 +219,8 @@ class ControllerState:
             p.registered = list(dict.fromkeys(tasks))
         if ttl is not None:
             p.ttl = ttl
+        if admission is not None:
+            p.admission = admission
 
     # --- puts ---
     def prepare_put(
@@ -488,6 +491,7 @@ class ControllerState:
             dropped = len(self._evict(p, stale, self.outbox))
             p.stale_dropped += dropped
             p.task(req.task).stale_dropped += dropped
+            self._budget_back(p, dropped)
         dropped = parked.dropped = parked.dropped + dropped
         if rows is None:
             return None
@@ -813,6 +817,14 @@ class ControllerState:
             if version is not None:
                 capacity = adm.get_capacity(version)
         return adm.state(), capacity
+
+    def _budget_back(self, p: Partition, dropped: int) -> None:
+        """Stale evictions of a partition fed by a capacity admission return their budget."""
+        name = p.admission
+        entry = self.admissions.get(name) if name else None
+        if dropped and name and entry is not None and isinstance(entry[0], CapacityAdmission):
+            entry[0].on_dropped(dropped)
+            self._wake_acquires(name)
 
     def count_rejected(self, partition: str, count: int) -> None:
         if count < 0:

@@ -73,6 +73,7 @@ class CreatePartition(_Msg, frozen=True, tag="create_partition"):
     fields: list[str] = []
     tasks: list[str] | None = None  # registered consumer tasks: a row all of them acked is freed
     ttl: float | None = None  # seconds a committed row lives before it is evicted
+    admission: str | None = None  # the admission feeding it: stale evictions return budget
 
 
 class CountRejected(_Msg, frozen=True, tag="count_rejected"):
