@@ -14,7 +14,6 @@ drop whatever chunks arrived, so a failed put leaves neither rows nor bytes.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import secrets
@@ -25,15 +24,20 @@ import msgspec
 
 from tqstream.controller.admission import (
     Admission,
-    CapacityAdmission,
-    SlotAdmission,
-    make_admission,
 )
+from tqstream.controller.flow import FlowControl
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.placement import place
+from tqstream.controller.records import (
+    FINISHED_LIMIT,
+    Effects,
+    Lease,
+    Parked,
+    PendingPut,
+    check_window,
+    version_of,
+)
 from tqstream.errors import (
-    AdmissionError,
-    CapacityError,
     FieldExistsError,
     InvalidRequestError,
     LeaseError,
@@ -55,99 +59,11 @@ from tqstream.protocol.messages import (
     PrepareFields,
     PreparePut,
     PutPlan,
-    Slots,
 )
 from tqstream.types import BatchMeta, PartitionStats
 
-MEASURES = ("head", "tail", "dispatch")
 
-
-def version_of(r: Row, measure: str) -> int | None:
-    """The version a staleness window compares: head = the oldest generated token's (AReaL's
-    bound), tail = the newest's, dispatch = the policy version when generation was requested."""
-    if measure == "tail":
-        return r.version_end
-    if measure == "dispatch" and r.dispatch_version is not None:
-        return r.dispatch_version
-    return r.version_start
-
-
-def _check_window(req: GetMeta) -> None:
-    if req.measure not in MEASURES:
-        raise InvalidRequestError(
-            f"measure must be one of {', '.join(MEASURES)}, got {req.measure!r}"
-        )
-    if req.on_stale not in ("keep", "drop"):
-        raise InvalidRequestError(f"on_stale must be 'keep' or 'drop', got {req.on_stale!r}")
-    if req.max_staleness is not None:
-        if req.max_staleness < 0:
-            raise InvalidRequestError(f"max_staleness must be >= 0, got {req.max_staleness}")
-        if req.current_version is None:
-            raise InvalidRequestError(
-                "max_staleness needs current_version (the trainer's policy version) to place the "
-                "window: pass current_version=v"
-            )
-
-
-_FINISHED_LIMIT = 100_000
-
-
-@dataclasses.dataclass
-class Effects:
-    """What the service must do after a state change."""
-
-    served: list[tuple[Any, BatchMeta]] = dataclasses.field(default_factory=list)
-    failed: list[tuple[Any, TQStreamError]] = dataclasses.field(default_factory=list)
-    drop_rows: dict[int, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
-    drop_chunks: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    # (partition, first chunk id after the clear): on every unit, drop the older chunks only
-    drop_partitions: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    replies: list[tuple[Any, msgspec.Struct]] = dataclasses.field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.served
-            or self.failed
-            or self.drop_rows
-            or self.drop_chunks
-            or self.drop_partitions
-            or self.replies
-        )
-
-
-@dataclasses.dataclass
-class _PendingPut:
-    put_id: int
-    partition: str
-    rows: list[Row]
-    mask: int
-    fields: list[str]
-    chunks: list[tuple[int, int]]  # (unit, chunk)
-    new_rows: bool  # a put (True) or a put_fields (False)
-    per_row: int  # bytes per row, for the units' load estimate
-    cancelled: bool = False  # its partition was cleared: only its chunks remain to drop
-
-
-@dataclasses.dataclass
-class _Lease:
-    lease_id: int
-    partition: str
-    task: str
-    rows: set[int]
-    deadline: float
-    current_version: int | None = None  # the reader's version, for the lag at consumption
-    measure: str = "head"
-
-
-@dataclasses.dataclass(eq=False)
-class _Parked:
-    handle: Any
-    req: GetMeta
-    mask: int
-    dropped: int = 0  # rows evicted as stale by its tries so far (reported when served)
-
-
-class ControllerState:
+class ControllerState(FlowControl):
     def __init__(self, *, lease_timeout: float = 300.0, put_timeout: float = 60.0) -> None:
         self.lease_timeout = lease_timeout
         self.put_timeout = put_timeout
@@ -159,11 +75,11 @@ class ControllerState:
         self.now = 0.0  # the latest time seen: a put woken by freed bytes is planned at it
         self.admissions: dict[str, tuple[Admission, str, dict[str, int]]] = {}
         self.waiting_acquires: dict[Any, tuple[Acquire, float]] = {}  # handle -> (req, since)
-        self.pending: dict[int, _PendingPut] = {}
-        self.leases: dict[int, _Lease] = {}
+        self.pending: dict[int, PendingPut] = {}
+        self.leases: dict[int, Lease] = {}
         self.finished_leases: OrderedDict[int, str] = OrderedDict()
         self.finished_puts: OrderedDict[int, str] = OrderedDict()
-        self.parked: dict[str, dict[Any, _Parked]] = {}
+        self.parked: dict[str, dict[Any, Parked]] = {}
         self._deadlines: list[tuple[float, int, str, Any]] = []
         self._ids = itertools.count(1)
         self.outbox = Effects()  # effects of calls that return something else; see take_effects
@@ -346,8 +262,8 @@ class ControllerState:
         new_rows: bool,
         per_row: int,
         now: float,
-    ) -> _PendingPut:
-        put = _PendingPut(
+    ) -> PendingPut:
+        put = PendingPut(
             next(self._ids),
             partition,
             rows,
@@ -423,7 +339,7 @@ class ControllerState:
             self._rollback(put, effects)
         return effects
 
-    def _rollback(self, put: _PendingPut, effects: Effects) -> None:
+    def _rollback(self, put: PendingPut, effects: Effects) -> None:
         for unit, chunk in put.chunks:
             effects.drop_chunks.setdefault(unit, []).append(chunk)
         if put.cancelled:
@@ -458,10 +374,10 @@ class ControllerState:
             raise InvalidRequestError(f"timeout must be >= 0 or None, got {req.timeout}")
         if req.lease_timeout is not None and req.lease_timeout <= 0:
             raise InvalidRequestError(f"lease_timeout must be > 0, got {req.lease_timeout}")
-        _check_window(req)
+        check_window(req)
         p = self.partition(req.partition)
         mask = p.mask_of(req.fields)
-        parked = _Parked(handle, req, mask)
+        parked = Parked(handle, req, mask)
         meta = self._try_serve(p, req, mask, now, parked)
         if meta is not None:
             return meta
@@ -473,7 +389,7 @@ class ControllerState:
         return None
 
     def _try_serve(
-        self, p: Partition, req: GetMeta, mask: int, now: float, parked: _Parked
+        self, p: Partition, req: GetMeta, mask: int, now: float, parked: Parked
     ) -> BatchMeta | None:
         fresh = None
         if req.max_staleness is not None and req.current_version is not None:
@@ -497,7 +413,7 @@ class ControllerState:
             return None
         lease_id = next(self._ids)
         p.lease(req.task, rows, lease_id)
-        lease = _Lease(
+        lease = Lease(
             lease_id,
             p.name,
             req.task,
@@ -625,7 +541,7 @@ class ControllerState:
 
     def _lease_for(
         self, partition: str, task: str, lease_id: int, row_ids: list[int]
-    ) -> tuple[_Lease | None, Partition | None]:
+    ) -> tuple[Lease | None, Partition | None]:
         """The active lease, or None when the call is a harmless repeat; raises otherwise."""
         p = self.partitions.get(partition)
         lease = self.leases.get(lease_id)
@@ -663,7 +579,7 @@ class ControllerState:
             lease_id=lease_id,
         )
 
-    def _end_lease(self, lease: _Lease, status: str) -> None:
+    def _end_lease(self, lease: Lease, status: str) -> None:
         self.leases.pop(lease.lease_id, None)
         self._finish(self.finished_leases, lease.lease_id, status)
 
@@ -688,143 +604,6 @@ class ControllerState:
                         self._end_lease(lease, "cleared")
             self._serve_parked_puts()
         return removed
-
-    def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
-        free = sum(q - b for q, b in zip(self.unit_quota, self.unit_bytes, strict=True) if q)
-        return CapacityError(
-            f"a put of {req.n_rows} rows ({req.nbytes} bytes) to partition {req.partition!r} did "
-            f"not fit in storage within {waited:.1f}s: {free} bytes free under the units' quotas "
-            f"({sum(self.unit_quota)} in all); consume and ack (registered tasks free rows), "
-            f"clear rows, or raise max_bytes on the storage units",
-            nbytes=req.nbytes,
-            free=free,
-        )
-
-    def _serve_parked_puts(self) -> None:
-        """Bytes were freed: retry waiting puts in arrival order."""
-        for handle, (req, since) in list(self.waiting_puts.items()):
-            if handle not in self.waiting_puts:
-                continue
-            del self.waiting_puts[handle]
-            try:
-                plan = self.prepare_put(req, max(self.now, since), handle, since)
-            except TQStreamError as exc:
-                self.outbox.failed.append((handle, exc))
-                continue
-            if plan is not None:
-                self.outbox.replies.append((handle, plan))
-
-    # --- admission ---
-    def create_admission(self, name: str, style: str, config: dict[str, int]) -> None:
-        """Create admission ``name``; creating it again with the same settings is a no-op, so
-        every producer and trainer process can call it at start-up."""
-        existing = self.admissions.get(name)
-        if existing is not None:
-            if (existing[1], existing[2]) != (style, config):
-                raise AdmissionError(
-                    f"admission {name!r} already exists as {existing[1]} {existing[2]}; it cannot "
-                    f"be re-created as {style} {config} (use another name)",
-                    name=name,
-                )
-            return
-        self.admissions[name] = (make_admission(style, **config), style, dict(config))
-
-    def _admission(self, name: str) -> Admission:
-        entry = self.admissions.get(name)
-        if entry is None:
-            raise AdmissionError(
-                f"admission {name!r} does not exist; create it first with "
-                f"client.admission(style, name={name!r}, ...)",
-                name=name,
-            )
-        return entry[0]
-
-    def acquire(self, req: Acquire, now: float, handle: Any = None) -> list[int] | None:
-        """Up to ``req.n`` slots; None when none can be granted yet and the caller waits."""
-        adm = self._admission(req.name)
-        if req.n < 1:
-            raise InvalidRequestError(f"acquire needs n >= 1, got {req.n}")
-        if req.force:
-            if not isinstance(adm, CapacityAdmission):
-                raise AdmissionError("force= (on_rollout_submitted) is for capacity admission")
-            return [adm.on_rollout_submitted()]
-        granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
-        if granted or not req.wait or handle is None:
-            return granted
-        if req.timeout == 0:
-            raise self._acquire_timeout(req, 0.0)
-        self.waiting_acquires[handle] = (req, now)
-        if req.timeout is not None:
-            self._at(now + req.timeout, "acquire", handle)
-        return None
-
-    @staticmethod
-    def _acquire_version(adm: Admission, req: Acquire) -> int:
-        """The version an acquire is evaluated at: the producer's, or the newest one published
-        (on_version comes after the weight sync, so every producer holds at least that one). A
-        parked acquire is re-evaluated at it, so on_version can wake it."""
-        return req.version if req.version < 0 else max(req.version, adm.version)
-
-    def _acquire_timeout(self, req: Acquire, waited: float) -> RequestTimeoutError:
-        state = self._admission(req.name).state()
-        return RequestTimeoutError(
-            f"no admission slot of {req.name!r} ({state['style']}) was free within {waited:.1f}s "
-            f"for version {req.version}: {state}; the trainer must consume and publish a new "
-            f"version (on_version) or producers release slots",
-            name=req.name,
-        )
-
-    def _wake_acquires(self, name: str) -> None:
-        for handle, (req, _) in list(self.waiting_acquires.items()):
-            if req.name != name:
-                continue
-            adm = self._admission(name)
-            granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
-            if granted:
-                del self.waiting_acquires[handle]
-                self.outbox.replies.append((handle, Slots(rid=0, slot_ids=granted)))
-
-    def release_slots(self, name: str, slot_ids: list[int], outcome: str) -> None:
-        self._admission(name).release(slot_ids, outcome)
-        self._wake_acquires(name)
-
-    def admission_version(
-        self, name: str, version: int, recovered: bool, reset: bool = False
-    ) -> None:
-        adm = self._admission(name)
-        if reset:
-            if not isinstance(adm, SlotAdmission):
-                raise AdmissionError(
-                    f"reset_staleness is for slots admission; {name!r} is "
-                    f"{self.admissions[name][1]}: call on_version(v) after each weight sync",
-                    name=name,
-                )
-            adm.reset_staleness()
-        elif recovered:
-            adm.on_version_recovered(version)
-        else:
-            adm.on_version(version)
-        self._wake_acquires(name)
-
-    def admission_info(
-        self, name: str, version: int | None, enqueued: int
-    ) -> tuple[dict[str, int | float | str], int | None]:
-        adm = self._admission(name)
-        capacity = None
-        if isinstance(adm, CapacityAdmission):
-            for _ in range(enqueued):
-                adm.on_rollout_enqueued()
-            if version is not None:
-                capacity = adm.get_capacity(version)
-        return adm.state(), capacity
-
-    def _budget_back(self, p: Partition, dropped: int) -> None:
-        """Stale evictions of a partition fed by a capacity admission return their budget."""
-        name = p.admission
-        entry = self.admissions.get(name) if name else None
-        if dropped and name and entry is not None and isinstance(entry[0], CapacityAdmission):
-            entry[0].on_dropped(dropped)
-            self._wake_acquires(name)
 
     def count_rejected(self, partition: str, count: int) -> None:
         if count < 0:
@@ -900,7 +679,7 @@ class ControllerState:
                     self._finish(self.finished_puts, ref, "cleared" if put.cancelled else "expired")
                     self._rollback(put, effects)
             else:
-                parked: _Parked = ref
+                parked: Parked = ref
                 if parked.req.partition in touched:  # rows given back before this timeout
                     touched.discard(parked.req.partition)
                     self._serve_parked(parked.req.partition, effects, now)
@@ -916,7 +695,7 @@ class ControllerState:
     @staticmethod
     def _finish(record: OrderedDict[int, str], key: int, status: str) -> None:
         record[key] = status
-        if len(record) > _FINISHED_LIMIT:
+        if len(record) > FINISHED_LIMIT:
             record.popitem(last=False)
 
     # --- helpers ---
@@ -980,6 +759,3 @@ class ControllerState:
                 tasks_registered=list(p.registered),
             )
         return out
-
-    def admission_stats(self) -> dict[str, dict[str, int | float | str]]:
-        return {name: entry[0].state() for name, entry in sorted(self.admissions.items())}

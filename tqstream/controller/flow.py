@@ -1,0 +1,186 @@
+"""Flow control inside the controller state: producer admission and storage byte quotas.
+
+Both are parked requests of their own kind (an acquire waiting for a slot, a put waiting for room),
+woken by the events that free what they wait for — releases and new versions, evictions and
+clears — and failed at their deadline from the state's one heap. A mixin of
+:class:`~tqstream.controller.state.ControllerState`, split out to keep each file one concept.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tqstream.controller.admission import (
+    Admission,
+    CapacityAdmission,
+    SlotAdmission,
+    make_admission,
+)
+from tqstream.controller.partition import Partition
+from tqstream.controller.records import Effects
+from tqstream.errors import (
+    AdmissionError,
+    CapacityError,
+    InvalidRequestError,
+    RequestTimeoutError,
+    TQStreamError,
+)
+from tqstream.protocol.messages import Acquire, PreparePut, PutPlan, Slots
+
+
+class FlowControl:
+    admissions: dict[str, tuple[Admission, str, dict[str, int]]]
+    waiting_acquires: dict[Any, tuple[Acquire, float]]
+    waiting_puts: dict[Any, tuple[PreparePut, float]]
+    unit_bytes: list[int]
+    unit_quota: list[int]
+    outbox: Effects
+    now: float
+
+    if TYPE_CHECKING:
+
+        def _at(self, deadline: float, kind: str, ref: Any) -> None: ...
+
+        def prepare_put(
+            self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
+        ) -> PutPlan | None: ...
+
+    def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
+        free = sum(q - b for q, b in zip(self.unit_quota, self.unit_bytes, strict=True) if q)
+        return CapacityError(
+            f"a put of {req.n_rows} rows ({req.nbytes} bytes) to partition {req.partition!r} did "
+            f"not fit in storage within {waited:.1f}s: {free} bytes free under the units' quotas "
+            f"({sum(self.unit_quota)} in all); consume and ack (registered tasks free rows), "
+            f"clear rows, or raise max_bytes on the storage units",
+            nbytes=req.nbytes,
+            free=free,
+        )
+
+    def _serve_parked_puts(self) -> None:
+        """Bytes were freed: retry waiting puts in arrival order."""
+        for handle, (req, since) in list(self.waiting_puts.items()):
+            if handle not in self.waiting_puts:
+                continue
+            del self.waiting_puts[handle]
+            try:
+                plan = self.prepare_put(req, max(self.now, since), handle, since)
+            except TQStreamError as exc:
+                self.outbox.failed.append((handle, exc))
+                continue
+            if plan is not None:
+                self.outbox.replies.append((handle, plan))
+
+    # --- admission ---
+    def create_admission(self, name: str, style: str, config: dict[str, int]) -> None:
+        """Create admission ``name``; creating it again with the same settings is a no-op, so
+        every producer and trainer process can call it at start-up."""
+        existing = self.admissions.get(name)
+        if existing is not None:
+            if (existing[1], existing[2]) != (style, config):
+                raise AdmissionError(
+                    f"admission {name!r} already exists as {existing[1]} {existing[2]}; it cannot "
+                    f"be re-created as {style} {config} (use another name)",
+                    name=name,
+                )
+            return
+        self.admissions[name] = (make_admission(style, **config), style, dict(config))
+
+    def _admission(self, name: str) -> Admission:
+        entry = self.admissions.get(name)
+        if entry is None:
+            raise AdmissionError(
+                f"admission {name!r} does not exist; create it first with "
+                f"client.admission(style, name={name!r}, ...)",
+                name=name,
+            )
+        return entry[0]
+
+    def acquire(self, req: Acquire, now: float, handle: Any = None) -> list[int] | None:
+        """Up to ``req.n`` slots; None when none can be granted yet and the caller waits."""
+        adm = self._admission(req.name)
+        if req.n < 1:
+            raise InvalidRequestError(f"acquire needs n >= 1, got {req.n}")
+        if req.force:
+            if not isinstance(adm, CapacityAdmission):
+                raise AdmissionError("force= (on_rollout_submitted) is for capacity admission")
+            return [adm.on_rollout_submitted()]
+        granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
+        if granted or not req.wait or handle is None:
+            return granted
+        if req.timeout == 0:
+            raise self._acquire_timeout(req, 0.0)
+        self.waiting_acquires[handle] = (req, now)
+        if req.timeout is not None:
+            self._at(now + req.timeout, "acquire", handle)
+        return None
+
+    @staticmethod
+    def _acquire_version(adm: Admission, req: Acquire) -> int:
+        """The version an acquire is evaluated at: the producer's, or the newest one published
+        (on_version comes after the weight sync, so every producer holds at least that one). A
+        parked acquire is re-evaluated at it, so on_version can wake it."""
+        return req.version if req.version < 0 else max(req.version, adm.version)
+
+    def _acquire_timeout(self, req: Acquire, waited: float) -> RequestTimeoutError:
+        state = self._admission(req.name).state()
+        return RequestTimeoutError(
+            f"no admission slot of {req.name!r} ({state['style']}) was free within {waited:.1f}s "
+            f"for version {req.version}: {state}; the trainer must consume and publish a new "
+            f"version (on_version) or producers release slots",
+            name=req.name,
+        )
+
+    def _wake_acquires(self, name: str) -> None:
+        for handle, (req, _) in list(self.waiting_acquires.items()):
+            if req.name != name:
+                continue
+            adm = self._admission(name)
+            granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
+            if granted:
+                del self.waiting_acquires[handle]
+                self.outbox.replies.append((handle, Slots(rid=0, slot_ids=granted)))
+
+    def release_slots(self, name: str, slot_ids: list[int], outcome: str) -> None:
+        self._admission(name).release(slot_ids, outcome)
+        self._wake_acquires(name)
+
+    def admission_version(
+        self, name: str, version: int, recovered: bool, reset: bool = False
+    ) -> None:
+        adm = self._admission(name)
+        if reset:
+            if not isinstance(adm, SlotAdmission):
+                raise AdmissionError(
+                    f"reset_staleness is for slots admission; {name!r} is "
+                    f"{self.admissions[name][1]}: call on_version(v) after each weight sync",
+                    name=name,
+                )
+            adm.reset_staleness()
+        elif recovered:
+            adm.on_version_recovered(version)
+        else:
+            adm.on_version(version)
+        self._wake_acquires(name)
+
+    def admission_info(
+        self, name: str, version: int | None, enqueued: int
+    ) -> tuple[dict[str, int | float | str], int | None]:
+        adm = self._admission(name)
+        capacity = None
+        if isinstance(adm, CapacityAdmission):
+            for _ in range(enqueued):
+                adm.on_rollout_enqueued()
+            if version is not None:
+                capacity = adm.get_capacity(version)
+        return adm.state(), capacity
+
+    def _budget_back(self, p: Partition, dropped: int) -> None:
+        """Stale evictions of a partition fed by a capacity admission return their budget."""
+        name = p.admission
+        entry = self.admissions.get(name) if name else None
+        if dropped and name and entry is not None and isinstance(entry[0], CapacityAdmission):
+            entry[0].on_dropped(dropped)
+            self._wake_acquires(name)
+
+    def admission_stats(self) -> dict[str, dict[str, int | float | str]]:
+        return {name: entry[0].state() for name, entry in sorted(self.admissions.items())}

@@ -1,0 +1,101 @@
+"""Records the controller state keeps and returns: effects for the service, pending puts,
+leases, parked requests, and the version arithmetic of staleness windows. Pure data."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from tqstream.controller.partition import Row
+from tqstream.errors import InvalidRequestError, TQStreamError
+from tqstream.protocol.messages import GetMeta
+from tqstream.types import BatchMeta
+
+MEASURES = ("head", "tail", "dispatch")
+
+
+def version_of(r: Row, measure: str) -> int | None:
+    """The version a staleness window compares: head = the oldest generated token's (AReaL's
+    bound), tail = the newest's, dispatch = the policy version when generation was requested."""
+    if measure == "tail":
+        return r.version_end
+    if measure == "dispatch" and r.dispatch_version is not None:
+        return r.dispatch_version
+    return r.version_start
+
+
+def check_window(req: GetMeta) -> None:
+    if req.measure not in MEASURES:
+        raise InvalidRequestError(
+            f"measure must be one of {', '.join(MEASURES)}, got {req.measure!r}"
+        )
+    if req.on_stale not in ("keep", "drop"):
+        raise InvalidRequestError(f"on_stale must be 'keep' or 'drop', got {req.on_stale!r}")
+    if req.max_staleness is not None:
+        if req.max_staleness < 0:
+            raise InvalidRequestError(f"max_staleness must be >= 0, got {req.max_staleness}")
+        if req.current_version is None:
+            raise InvalidRequestError(
+                "max_staleness needs current_version (the trainer's policy version) to place the "
+                "window: pass current_version=v"
+            )
+
+
+FINISHED_LIMIT = 100_000
+
+
+@dataclasses.dataclass
+class Effects:
+    """What the service must do after a state change."""
+
+    served: list[tuple[Any, BatchMeta]] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Any, TQStreamError]] = dataclasses.field(default_factory=list)
+    drop_rows: dict[int, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
+    drop_chunks: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # (partition, first chunk id after the clear): on every unit, drop the older chunks only
+    drop_partitions: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    replies: list[tuple[Any, msgspec.Struct]] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.served
+            or self.failed
+            or self.drop_rows
+            or self.drop_chunks
+            or self.drop_partitions
+            or self.replies
+        )
+
+
+@dataclasses.dataclass
+class PendingPut:
+    put_id: int
+    partition: str
+    rows: list[Row]
+    mask: int
+    fields: list[str]
+    chunks: list[tuple[int, int]]  # (unit, chunk)
+    new_rows: bool  # a put (True) or a put_fields (False)
+    per_row: int  # bytes per row, for the units' load estimate
+    cancelled: bool = False  # its partition was cleared: only its chunks remain to drop
+
+
+@dataclasses.dataclass
+class Lease:
+    lease_id: int
+    partition: str
+    task: str
+    rows: set[int]
+    deadline: float
+    current_version: int | None = None  # the reader's version, for the lag at consumption
+    measure: str = "head"
+
+
+@dataclasses.dataclass(eq=False)
+class Parked:
+    handle: Any
+    req: GetMeta
+    mask: int
+    dropped: int = 0  # rows evicted as stale by its tries so far (reported when served)
