@@ -130,8 +130,7 @@ def test_reject_mixed_versions_refuses_and_counts_rows(client: Client, partition
             {"x": torch.arange(2), "versions": tokens([0], [1])},
             {"reject_mixed_versions": True, "versions_field": None},
             tqstream.InvalidRequestError,
-            "reject_mixed_versions=True needs the per-token versions field None in the data "
-            "(or name it with versions_field=)",
+            "reject_mixed_versions=True needs a per-token versions field, but versions_field=None",
         ),
         (
             {"x": torch.arange(2), "versions": [torch.zeros(2), torch.ones(3)]},

@@ -181,10 +181,13 @@ class Client:
         rejected = 0
         if reject_mixed_versions:
             if starts is None or ends is None:
-                raise InvalidRequestError(
-                    f"reject_mixed_versions=True needs the per-token versions field "
-                    f"{versions_field!r} in the data (or name it with versions_field=)"
+                where = (
+                    "a per-token versions field, but versions_field=None"
+                    if versions_field is None
+                    else f"the per-token versions field {versions_field!r} in the data (or name "
+                    f"it with versions_field=)"
                 )
+                raise InvalidRequestError(f"reject_mixed_versions=True needs {where}")
             keep = [i for i in range(n) if starts[i] == ends[i]]
             rejected = n - len(keep)
             if rejected:
@@ -298,8 +301,9 @@ class Client:
         ``tasks``: register the consumer tasks; a row is freed (storage released) as soon as all
         of them acked it. ``ttl``: seconds a committed row lives before it is evicted (counted in
         stats as expired). ``admission``: the name of the capacity admission whose producers feed
-        this partition; rows evicted as stale give their budget back to it, so the trainer is
-        never starved by samples it could not use. Calling it again adds fields and updates
+        this partition; rows evicted as stale give their budget back to it (one slot per row:
+        link only when producers take one slot per row), so the trainer is never starved by
+        samples it could not use. Calling it again adds fields and updates
         tasks/ttl/admission.
         """
         msg = CreatePartition(
