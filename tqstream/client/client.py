@@ -306,14 +306,7 @@ class Client:
         samples it could not use. Calling it again adds fields and updates
         tasks/ttl/admission.
         """
-        msg = CreatePartition(
-            rid=0,
-            partition=partition,
-            fields=list(fields),
-            tasks=None if tasks is None else list(tasks),
-            ttl=ttl,
-            admission=admission,
-        )
+        msg = _partition_message(partition, fields, tasks, ttl, admission)
         self._sync(self._core.call, msg)
 
     async def async_create_partition(
@@ -325,14 +318,7 @@ class Client:
         ttl: float | None = None,
         admission: str | None = None,
     ) -> None:
-        msg = CreatePartition(
-            rid=0,
-            partition=partition,
-            fields=list(fields),
-            tasks=None if tasks is None else list(tasks),
-            ttl=ttl,
-            admission=admission,
-        )
+        msg = _partition_message(partition, fields, tasks, ttl, admission)
         await self._async(self._core.call, msg)
 
     # --- get ---
@@ -627,6 +613,23 @@ class Client:
 
     async def async_stats(self, partition: str | None = None) -> Stats:
         return await self._async(self._core.stats, partition)
+
+
+def _partition_message(
+    partition: str,
+    fields: Sequence[str],
+    tasks: Sequence[str] | None,
+    ttl: float | None,
+    admission: str | None,
+) -> CreatePartition:
+    return CreatePartition(
+        rid=0,
+        partition=partition,
+        fields=list(fields),
+        tasks=None if tasks is None else list(tasks),
+        ttl=ttl,
+        admission=admission,
+    )
 
 
 def _finalize(io: LoopThread, core: ClientCore, on_close: Callable[[], None] | None) -> None:
