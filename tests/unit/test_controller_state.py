@@ -988,3 +988,15 @@ def test_stats_shape() -> None:
     assert st.rows == 2 and st.fields == {"a": 2, "b": 2} and st.pending_puts == 1
     assert st.schemas == {"a": F32, "b": F32}
     assert st.tasks["actor"].available == 1
+
+
+def test_rejected_rows_count_once_when_a_put_is_aborted_and_retried() -> None:
+    s = ControllerState()
+    s.add_unit("u")
+    req = PreparePut(rid=0, partition="p", n_rows=2, schemas={"a": F32}, nbytes=16, rejected=3)
+    plan = s.prepare_put(req, 0.0)
+    s.abort(plan.put_id)
+    assert s.stats("p")["p"].rejected == 0  # nothing committed yet
+    plan = s.prepare_put(req, 0.0)
+    s.commit(plan.put_id, 0.0)
+    assert s.stats("p")["p"].rejected == 3 and s.stats("p")["p"].produced == 2

@@ -80,6 +80,7 @@ class PendingPut:
     new_rows: bool  # a put (True) or a put_fields (False)
     per_row: int  # bytes per row, for the units' load estimate
     cancelled: bool = False  # its partition was cleared: only its chunks remain to drop
+    rejected: int = 0  # rows the producer refused; counted when the put commits, like produced
 
 
 @dataclasses.dataclass

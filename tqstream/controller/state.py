@@ -196,7 +196,6 @@ class ControllerState(FlowControl):
                 r.version_end = req.version_end[i]
             if req.dispatch_version is not None:
                 r.dispatch_version = req.dispatch_version[i]
-        p.rejected += req.rejected
         per_row = req.nbytes // req.n_rows
         segments = []
         for unit, start, stop in runs:
@@ -208,6 +207,7 @@ class ControllerState(FlowControl):
         put = self._add_pending(
             req.partition, rows, mask, list(req.schemas), segments, True, per_row, now
         )
+        put.rejected = req.rejected  # an aborted put that is retried must not count them twice
         return PutPlan(
             rid=req.rid, put_id=put.put_id, row_ids=[r.id for r in rows], segments=segments
         )
@@ -299,6 +299,7 @@ class ControllerState(FlowControl):
         if put.new_rows:
             p.commit_rows(put.rows, put.mask)
             p.produced += len(put.rows)
+            p.rejected += put.rejected
             if p.ttl is not None:
                 self._at(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
         else:
