@@ -55,6 +55,10 @@ class ClientConfig:
     """Largest message sent; the smaller of this and the server's limit applies."""
     heartbeat_interval: float = 1.0
     """Seconds between ZMQ heartbeats; a peer silent for 3 intervals counts as lost."""
+    shared_memory: str = "auto"
+    """Tensor bytes to and from a storage unit on this host: ``"auto"`` moves them through shared
+    memory when the unit is reachable that way and over ZMQ frames otherwise; ``"off"`` always
+    uses ZMQ frames."""
 
 
 _C = TypeVar("_C")

@@ -6,6 +6,9 @@ storage unit, concurrently, each carrying one contiguous chunk per field → ``C
 anything fails after the prepare — a unit error, a timeout, a cancelled caller — the client sends
 ``AbortPut`` so the controller rolls the rows back and orders the units to drop what arrived; if
 the client itself dies, the controller's ``put_timeout`` does the same.
+
+With a storage unit on the same host (and ``shared_memory="auto"``) the tensor bytes of a ``Store``
+and a ``Fetch`` go through shared memory (``protocol/shm.py``) and the messages carry only headers.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from typing import Any
 
 import msgspec
 import torch
-import zmq.asyncio
+import zmq
 
 from tqstream.config import ClientConfig
 from tqstream.errors import InternalError, InvalidRequestError, TQStreamError
+from tqstream.protocol import shm
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
@@ -44,6 +48,7 @@ from tqstream.protocol.messages import (
     PrepareFields,
     PreparePut,
     PutPlan,
+    Region,
     Release,
     StatsReply,
     Store,
@@ -57,25 +62,51 @@ GET_GRACE = 10.0
 
 
 def _store_message(
-    partition: str, chunk: int, row_ids: list[int], columns: Mapping[str, Column]
+    partition: str, chunk: int, row_ids: list[int], columns: Mapping[str, Column], token: str
 ) -> tuple[Store, list[memoryview]]:
+    """The Store of one chunk: tensor bytes as frames, or written to the unit's shared memory
+    when ``token`` names a reachable unit (and /dev/shm has room)."""
     refs, buffers = columns_to_wire(columns)
-    return Store(rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs), buffers
+    msg = Store(rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs)
+    if token and buffers:
+        try:
+            regions = shm.write_segment(shm.chunk_segment(token, chunk), buffers)
+        except OSError:
+            return msg, buffers  # e.g. /dev/shm is full: frames still work
+        return msgspec.structs.replace(msg, shared=regions), []
+    return msg, buffers
+
+
+def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) -> list[Any]:
+    """The reply's frames with the shared ones replaced by views of the unit's segments; a gather
+    segment is unlinked once mapped (its views keep the memory until they die)."""
+    segments = shm.Segments(token)
+    out: list[Any] = list(frames)
+    try:
+        for i, region in shared.items():
+            if not 1 <= i < len(out):
+                raise InternalError(f"the storage unit's reply puts frame {i} in shared memory, "
+                                    f"but has frames 1..{len(out) - 1}")  # fmt: skip
+            out[i] = segments.view(region)
+    finally:
+        for name in {r.name for r in shared.values()}:
+            if name.startswith(f"tqs-{token}-g"):
+                shm.unlink(name)
+    return out
 
 
 class ClientCore:
-    def __init__(
-        self, ctx: zmq.asyncio.Context, controller: Connection, config: ClientConfig
-    ) -> None:
+    def __init__(self, ctx: zmq.Context[Any], controller: Connection, config: ClientConfig) -> None:
         self.ctx = ctx
         self.config = config
         self.controller = controller
         self.unit_addresses: list[str] = list(controller.welcome.units)
         self._units: dict[int, asyncio.Task[Connection]] = {}
+        self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
 
     @classmethod
     async def open(cls, address: str, config: ClientConfig) -> ClientCore:
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context[Any]()
         try:
             conn = await cls._connect(ctx, address, config)
         except BaseException:
@@ -84,7 +115,7 @@ class ClientCore:
         return cls(ctx, conn, config)
 
     @staticmethod
-    async def _connect(ctx: zmq.asyncio.Context, address: str, config: ClientConfig) -> Connection:
+    async def _connect(ctx: zmq.Context[Any], address: str, config: ClientConfig) -> Connection:
         return await Connection.open(
             ctx,
             address,
@@ -120,7 +151,13 @@ class ClientCore:
                 f"the controller placed rows on storage unit {index}, but knows "
                 f"only {len(self.unit_addresses)} units"
             )
-        return await self._connect(self.ctx, self.unit_addresses[index], self.config)
+        conn = await self._connect(self.ctx, self.unit_addresses[index], self.config)
+        token = conn.welcome.shm
+        if self.config.shared_memory == "auto" and shm.reachable(token):
+            self._shm[index] = token
+        else:
+            self._shm.pop(index, None)
+        return conn
 
     async def _ask(
         self,
@@ -143,6 +180,10 @@ class ClientCore:
             return reply, frames
         return reply
 
+    def _token(self, unit: int) -> str:
+        """The unit's shared-memory token, "" when bytes go as frames (call after ``_unit``)."""
+        return self._shm.get(unit, "")
+
     # --- writes ---
     async def put(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
         partition = req.partition
@@ -157,10 +198,10 @@ class ClientCore:
             jobs = []
             for seg in plan.segments:
                 part = {k: c.slice(seg.start, seg.stop) for k, c in columns.items()}
-                msg, bufs = _store_message(
-                    partition, seg.chunk, plan.row_ids[seg.start : seg.stop], part
-                )
-                jobs.append(self._ask(msg, Ok, conn=await self._unit(seg.unit), buffers=bufs))
+                conn = await self._unit(seg.unit)
+                rows = plan.row_ids[seg.start : seg.stop]
+                msg, bufs = _store_message(partition, seg.chunk, rows, part, self._token(seg.unit))
+                jobs.append(self._ask(msg, Ok, conn=conn, buffers=bufs))
             await asyncio.gather(*jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
             meta: BatchMeta = reply.meta
@@ -191,8 +232,10 @@ class ClientCore:
                     index = torch.tensor(pos, dtype=torch.int64)
                     part = {k: c.take(index) for k, c in columns.items()}
                 rows = [meta.row_ids[i] for i in pos]
-                msg, bufs = _store_message(meta.partition, seg.chunk, rows, part)
-                jobs.append(self._ask(msg, Ok, conn=await self._unit(seg.unit), buffers=bufs))
+                conn = await self._unit(seg.unit)
+                token = self._token(seg.unit)
+                msg, bufs = _store_message(meta.partition, seg.chunk, rows, part, token)
+                jobs.append(self._ask(msg, Ok, conn=conn, buffers=bufs))
             await asyncio.gather(*jobs)
             await self._ask(CommitPut(rid=0, put_id=plan.put_id), Ok)
 
@@ -226,13 +269,18 @@ class ClientCore:
             by_unit.setdefault(u, []).append(i)
 
         async def one(unit: int, positions: list[int]) -> dict[str, Column]:
+            conn = await self._unit(unit)
+            token = self._token(unit)
             msg = Fetch(
                 rid=0,
                 partition=meta.partition,
                 row_ids=[meta.row_ids[i] for i in positions],
                 fields=fields,
+                shared=bool(token),
             )
-            reply, frames = await self._ask(msg, Columns, conn=await self._unit(unit))
+            reply, frames = await self._ask(msg, Columns, conn=conn)
+            if reply.shared:
+                frames = _shared_frames(token, reply.shared, frames)
             return {ref.name: column_from_wire(ref, frames) for ref in reply.columns}
 
         parts = await asyncio.gather(*(one(u, pos) for u, pos in by_unit.items()))

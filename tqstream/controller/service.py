@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 import msgspec
-import zmq.asyncio
+import zmq
 
 from tqstream.config import ClientConfig, ControllerConfig
 from tqstream.controller.state import ControllerState, Effects
@@ -61,9 +61,9 @@ __all__ = ["ControllerService"]
 
 
 class ControllerService:
-    def __init__(self, config: ControllerConfig, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, config: ControllerConfig, ctx: zmq.Context[Any] | None = None) -> None:
         self.config = config
-        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.ctx = ctx or zmq.Context[Any].instance()
         self.state = ControllerState(
             lease_timeout=config.lease_timeout, put_timeout=config.put_timeout
         )

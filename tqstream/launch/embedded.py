@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-import zmq.asyncio
+import zmq
 
 from tqstream.client.loop import LoopThread
 from tqstream.config import ClientConfig, ControllerConfig, StorageConfig, from_env
@@ -40,7 +40,7 @@ class EmbeddedCluster:
             raise
 
     async def _start(self, cc: ControllerConfig, sc: StorageConfig, n: int) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context[Any]()
         loop = asyncio.get_running_loop()
         self.controller = ControllerService(cc, self._ctx)
         self.units: list[StorageService] = []

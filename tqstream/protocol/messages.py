@@ -26,6 +26,14 @@ class BufferRef(msgspec.Struct, frozen=True):
     shape: tuple[int, ...]
 
 
+class Region(msgspec.Struct, frozen=True, array_like=True):
+    """``nbytes`` bytes at ``offset`` of shared-memory segment ``name`` (see ``shm.py``)."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+
 class ColumnRef(msgspec.Struct, frozen=True):
     """One column of a chunk: ``values`` is ``[n, *shape]`` (dense) or ``[sum L_i, *shape]`` with
     ``offsets`` ``int64[n + 1]`` (ragged, and object columns as Arrow large-binary bytes)."""
@@ -60,6 +68,7 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     server: str
     max_message_bytes: int
     units: list[str] = []
+    shm: str = ""  # a storage unit's shared-memory token; "" when it has none
 
 
 # --- controller requests ---
@@ -169,12 +178,14 @@ class Store(_Msg, frozen=True, tag="store"):
     chunk: int
     row_ids: list[int]
     columns: list[ColumnRef]
+    shared: list[Region] = []  # frames 1..n are in shared memory instead of attached
 
 
 class Fetch(_Msg, frozen=True, tag="fetch"):
     partition: str
     row_ids: list[int]
     fields: list[str]
+    shared: bool = False  # the client reads the unit's shared memory: answer with regions
 
 
 class DropRows(_Msg, frozen=True, tag="drop_rows"):
@@ -311,6 +322,7 @@ class StatsReply(_Msg, frozen=True, tag="stats"):
 
 class Columns(_Msg, frozen=True, tag="columns"):
     columns: list[ColumnRef]
+    shared: dict[int, Region] = {}  # frame index -> region; that frame is sent empty
 
 
 class UnitStatsReply(_Msg, frozen=True, tag="unit_stats"):

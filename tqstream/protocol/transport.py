@@ -12,6 +12,12 @@ never waits forever on a dead server: ZMQ would silently reconnect and the reply
 monitor fails every pending request with ``ConnectionLostError`` when the TCP connection drops
 (heartbeats turn a silent peer into a drop), and a request made while the connection is down waits
 at most ``connect_timeout`` for ZMQ to reconnect. Everything runs on the caller's asyncio loop.
+
+Sockets are plain (blocking-API) ZMQ sockets driven by the loop directly: the loop watches each
+socket's ZMQ file descriptor and, when it signals, drains every pending message with non-blocking
+receives and handles it in the same callback; sends never block (``SNDHWM`` 0). That costs one loop
+wake-up per burst of messages instead of a future and a task step per message, which is most of a
+small request's latency.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from tqstream.errors import (
@@ -55,6 +60,20 @@ __all__ = ["Connection", "Handler", "HandlerResult", "Responder", "Server"]
 MiB = 1 << 20
 HandlerResult = Any | tuple[Any, Sequence[Any]] | Awaitable[Any] | None
 Handler = Callable[[Any, list[zmq.Frame], "Responder"], HandlerResult]
+
+
+def _socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+    """A socket with the blocking API (also from a ``zmq.asyncio`` context), closed by
+    ``ctx.destroy()`` like any other."""
+    return ctx.socket(kind, socket_class=zmq.Socket)
+
+
+def _fd(sock: zmq.Socket[Any]) -> int:
+    return int(sock.getsockopt(zmq.FD))
+
+
+def _events(sock: zmq.Socket[Any]) -> int:
+    return int(sock.getsockopt(zmq.EVENTS))
 
 
 def _op(msg: msgspec.Struct) -> str:
@@ -140,7 +159,7 @@ class Server:
 
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context[Any],
         host: str,
         port: int,
         handler: Handler,
@@ -148,16 +167,18 @@ class Server:
         name: str,
         max_message_bytes: int,
         units: Callable[[], list[str]] = lambda: [],
+        shm: str = "",
     ) -> None:
         self.name = name
         self.max_message_bytes = max_message_bytes
         self._handler = handler
         self._units = units
+        self._shm = shm
         self._closed = False
         self._failure: BaseException | None = None
-        self._loop_task: asyncio.Task[None] | None = None
+        self._done: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        sock = ctx.socket(zmq.ROUTER)
+        sock = _socket(ctx, zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped
@@ -172,6 +193,8 @@ class Server:
                 exc.errno, f"the {name} server cannot bind tcp://{host}:{port}: {exc.strerror}"
             ) from exc
         self._sock = sock
+        self._fd = _fd(sock)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self) -> None:
         """Serve until ``close()``; then return. Raises only what breaks the server itself (never
@@ -180,36 +203,44 @@ class Server:
             raise self._failure
         if self._closed:
             return
-        if self._loop_task is not None:
+        if self._done is not None:
             raise RuntimeError(f"the {self.name} server is already serving")
-        task = self._loop_task = asyncio.get_running_loop().create_task(
-            self._receive(), name=f"tqstream-{self.name}-receive"
-        )
+        loop = self._loop = asyncio.get_running_loop()
+        self._done = loop.create_future()
+        loop.add_reader(self._fd, self._drain)
+        loop.call_soon(self._drain)  # messages that arrived before the reader was added
         try:
-            await asyncio.wait({task})
+            await asyncio.shield(self._done)
         finally:
-            task.cancel()  # when serve() itself was cancelled
+            self._stop_reading()
         if self._failure is not None:
             raise self._failure
-        if not task.cancelled() and task.exception() is not None and not self._closed:
-            raise task.exception()  # type: ignore[misc]
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._sock.closed:
+            self._loop.remove_reader(self._fd)
 
     async def close(self) -> None:
         """Stop receiving, cancel in-flight handler tasks, close the socket. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._stop_reading()
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
         current = asyncio.current_task()
-        tasks = [t for t in (*self._tasks, self._loop_task) if t is not None and t is not current]
+        tasks = [t for t in self._tasks if t is not current]
         for t in tasks:
             t.cancel()
         self._sock.close(linger=0)
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            self._dispatch(frames)
+    def _drain(self) -> None:
+        """Handle every message waiting on the socket (the ZMQ fd is edge-triggered: it signals
+        once for any number of messages, so stopping early would strand the rest)."""
+        sock = self._sock
+        while not self._closed and self._failure is None and _events(sock) & zmq.POLLIN:
+            self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         """Handle one message; whatever goes wrong becomes an ``ErrorReply`` to its sender."""
@@ -268,6 +299,7 @@ class Server:
             server=self.name,
             max_message_bytes=self.max_message_bytes,
             units=list(self._units()),
+            shm=self._shm,
         )
 
     def _deliver(self, responder: Responder, result: HandlerResult) -> None:
@@ -312,17 +344,18 @@ class Server:
     def _fatal(self, exc: BaseException) -> None:
         if self._failure is None:
             self._failure = exc
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
 
     def _send(self, identity: bytes, msg: Any, buffers: Sequence[Any]) -> None:
         if self._closed:
             return
-        # copy=False: pyzmq still copies frames under its copy_threshold (64 KiB)
-        sent: Any = self._sock.send_multipart([identity, encode(msg), *buffers], copy=False)
-        # with SNDHWM 0 a ROUTER send completes at once; result() raises what went wrong (e.g. a
-        # buffer that is not a buffer) to the code that answered
-        sent.result()
+        # copy=False: pyzmq still copies frames under its copy_threshold (64 KiB). With SNDHWM 0
+        # a ROUTER send never blocks; what goes wrong (a buffer that is not a buffer) raises here,
+        # to the code that answered.
+        self._sock.send_multipart([identity, encode(msg), *buffers], zmq.NOBLOCK, copy=False)
+        if self._loop is not None:  # a send may consume the fd's edge: look for input again
+            self._loop.call_soon(self._drain)
 
 
 # --- client ---
@@ -336,7 +369,7 @@ class Connection:
 
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context[Any],
         address: str,
         role: str,
         connect_timeout: float,
@@ -353,7 +386,8 @@ class Connection:
         self._down = False
         self._closed = False
         self._broken: BaseException | None = None
-        sock = ctx.socket(zmq.DEALER)
+        self._unsent: list[list[Any]] = []  # requests ZMQ would not take yet (never with HWM 0)
+        sock = _socket(ctx, zmq.DEALER)
         ivl = max(1, round(heartbeat_interval * 1000))
         events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
         try:
@@ -362,7 +396,10 @@ class Connection:
             sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
             sock.setsockopt(zmq.HEARTBEAT_TTL, min(3 * ivl, 6_553_500))  # lets the server drop us
-            monitor = sock.get_monitor_socket(events)  # before connect(): no event can be missed
+            # before connect(), so no event can be missed; a plain PAIR, like the socket itself
+            sock.monitor(f"inproc://tqstream-monitor-{id(sock)}", events)
+            monitor = _socket(ctx, zmq.PAIR)
+            monitor.connect(f"inproc://tqstream-monitor-{id(sock)}")
             try:
                 sock.connect(address)
             except zmq.ZMQError as exc:
@@ -376,15 +413,16 @@ class Connection:
             sock.close(linger=0)  # ends the monitor too
             raise
         self._sock, self._monitor = sock, monitor
-        loop = asyncio.get_running_loop()
-        name = f"tqstream-{role}-{{}}-{address}"
-        self._reader = loop.create_task(self._guard(self._read()), name=name.format("reader"))
-        self._watcher = loop.create_task(self._guard(self._watch()), name=name.format("monitor"))
+        self._fds = (_fd(sock), _fd(monitor))
+        loop = self._loop = asyncio.get_running_loop()
+        loop.add_reader(self._fds[0], self._guard, self._read)
+        loop.add_reader(self._fds[1], self._guard, self._watch)
+        loop.call_soon(self._guard, self._watch)  # events queued before the reader was added
 
     @classmethod
     async def open(
         cls,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context[Any],
         address: str,
         *,
         role: str = "client",
@@ -451,8 +489,8 @@ class Connection:
         if self._down:  # queued until ZMQ reconnects: wait for that at most connect_timeout
             self._grace[rid] = loop.call_later(self._connect_timeout, self._unreachable, rid)
         try:
-            await self._sock.send_multipart([header, *buffers], copy=False)
-            reply, frames = await asyncio.wait_for(fut, timeout)
+            self._send([header, *buffers])
+            reply, frames = await (fut if timeout is None else asyncio.wait_for(fut, timeout))
         except asyncio.TimeoutError:
             if not fut.cancelled():  # a TimeoutError the future failed with, not wait_for's
                 raise
@@ -477,8 +515,18 @@ class Connection:
             raise exc
         return reply, frames
 
+    def _send(self, frames: list[Any]) -> None:
+        if self._unsent:  # keep the order
+            self._unsent.append(frames)
+        else:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._unsent.append(frames)
+        self._loop.call_soon(self._guard, self._read)  # a send may consume the fd's edge
+
     async def close(self) -> None:
-        """Fail pending requests with ``ClosedError``, stop both tasks, close the sockets.
+        """Fail pending requests with ``ClosedError``, stop watching, close the sockets.
         Idempotent."""
         if self._closed:
             return
@@ -486,29 +534,40 @@ class Connection:
         self._fail_all(
             ClosedError, "the connection to {address} was closed while waiting for {what}"
         )
-        tasks = [self._reader, self._watcher]
-        for t in tasks:
-            t.cancel()
+        for fd in self._fds:
+            self._loop.remove_reader(fd)
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
-        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _guard(self, body: Awaitable[None]) -> None:
-        """A background loop that dies takes the connection down with it: every pending and every
-        later request raises the error instead of waiting for a reply nobody will match."""
+    def _guard(self, body: Callable[[], None]) -> None:
+        """A reader that fails takes the connection down with it: every pending and every later
+        request raises the error instead of waiting for a reply nobody will match."""
+        if self._closed or self._broken is not None:
+            return
         try:
-            await body
+            body()
         except Exception as exc:
-            error = self._broken = self._broken or exc
+            error = self._broken = exc
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
             for fut, _ in self._pending.values():
                 if not fut.done():
                     fut.set_exception(error)
 
-    async def _read(self) -> None:
+    def _read(self) -> None:
+        sock = self._sock
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            events = _events(sock)
+            if self._unsent and events & zmq.POLLOUT:
+                with contextlib.suppress(zmq.Again):
+                    while self._unsent:
+                        sock.send_multipart(self._unsent[0], zmq.NOBLOCK, copy=False)
+                        self._unsent.pop(0)
+            if not events & zmq.POLLIN:
+                return
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             header = frames[0].buffer
             try:
                 reply = decode_reply(header)
@@ -524,9 +583,9 @@ class Connection:
             if entry is not None and not entry[0].done():  # else: late (timed out) or unknown
                 entry[0].set_result((reply, frames))
 
-    async def _watch(self) -> None:
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+    def _watch(self) -> None:
+        while _events(self._monitor) & zmq.POLLIN:
+            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             if event == zmq.EVENT_MONITOR_STOPPED:
                 return
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:

@@ -14,7 +14,7 @@ then its whole size counts in :attr:`ColumnStore.bytes`. The per-row index below
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -67,7 +67,10 @@ _TOMBSTONES = 100_000
 class ColumnStore:
     """Chunks of columns per partition, addressed by controller-assigned row and chunk ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_release: Callable[[int], None] = lambda chunk: None) -> None:
+        """``on_release(chunk_id)`` runs when a chunk is dropped, and for a chunk dropped before it
+        arrived (its memory may exist already, e.g. a shared-memory segment a client wrote)."""
+        self._on_release = on_release
         self._partitions: dict[str, _Partition] = {}
         self._chunks: dict[int, _Chunk] = {}
         self._bytes = 0
@@ -83,6 +86,9 @@ class ColumnStore:
     @property
     def chunks(self) -> int:
         return len(self._chunks)
+
+    def holds(self, chunk_id: int) -> bool:
+        return chunk_id in self._chunks
 
     @property
     def rows(self) -> int:
@@ -206,6 +212,7 @@ class ColumnStore:
                 self._tombstones[chunk_id] = None
                 if len(self._tombstones) > _TOMBSTONES:
                     self._tombstones.popitem(last=False)
+                self._on_release(chunk_id)
                 continue
             part = self._partitions[chunk.partition]
             for row in list(chunk.positions):
@@ -233,6 +240,7 @@ class ColumnStore:
             for chunk in part.chunks.values():
                 del self._chunks[chunk.id]
                 self._bytes -= chunk.nbytes
+                self._on_release(chunk.id)
 
     # --- internals --------------------------------------------------------------------------------
     def _unindex(self, part: _Partition, chunk: _Chunk, row: int) -> None:
@@ -246,6 +254,7 @@ class ColumnStore:
     def _release(self, part: _Partition, chunk: _Chunk) -> None:
         del self._chunks[chunk.id], part.chunks[chunk.id]
         self._bytes -= chunk.nbytes
+        self._on_release(chunk.id)
         if not part.chunks:  # nothing left: forget the partition (its index is empty too)
             self._partitions.pop(chunk.partition, None)
 

@@ -7,16 +7,24 @@ views of that memory (sent zero-copy); scattered rows cost one gather.
 
 On start the unit registers its address with the controller, which from then on sends it drop
 orders; clients learn the address from the controller.
+
+Clients on the same host move tensor bytes through shared memory instead (``protocol/shm.py``): a
+``Store`` names the segment the client wrote, which becomes the chunk's memory, and a ``Fetch``
+with ``shared`` is answered with regions of the chunk segments (zero copy) or of a fresh segment
+holding gathered rows. Every segment this unit owns is unlinked when its chunk is dropped, and all
+of them at close.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-import zmq.asyncio
+import zmq
 
 from tqstream.config import ClientConfig, StorageConfig
 from tqstream.errors import InvalidRequestError
+from tqstream.protocol import shm
 from tqstream.protocol.codec import column_from_wire, columns_to_wire
 from tqstream.protocol.messages import (
     Columns,
@@ -26,6 +34,7 @@ from tqstream.protocol.messages import (
     Fetch,
     GetUnitStats,
     Ok,
+    Region,
     RegisterUnit,
     Store,
     UnitStatsReply,
@@ -36,18 +45,22 @@ from tqstream.types import UnitStats
 
 __all__ = ["StorageService"]
 
+GATHER_UNLINK_DELAY = 60.0
+"""Seconds after which a gather segment is unlinked even if its client never mapped it."""
+
 
 class StorageService:
     def __init__(
         self,
         config: StorageConfig,
         controller: str | None,
-        ctx: zmq.asyncio.Context | None = None,
+        ctx: zmq.Context[Any] | None = None,
     ) -> None:
         self.config = config
         self.controller = controller
-        self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.store = ColumnStore()
+        self.ctx = ctx or zmq.Context[Any].instance()
+        self.segments = shm.UnitSegments() if shm.available() else None
+        self.store = ColumnStore(on_release=self._released)
         self.server = Server(
             self.ctx,
             config.host,
@@ -55,6 +68,7 @@ class StorageService:
             self.handle,
             name="storage",
             max_message_bytes=config.max_message_bytes,
+            shm=self.segments.token if self.segments else "",
         )
         self.unit: int | None = None
 
@@ -86,18 +100,62 @@ class StorageService:
 
     async def close(self) -> None:
         await self.server.close()
+        if self.segments is not None:
+            self.segments.close()
+
+    def _released(self, chunk: int) -> None:
+        if self.segments is not None:
+            self.segments.release(chunk)
+
+    def _store(self, msg: Store, frames: list[Any]) -> Ok:
+        if not msg.shared:
+            columns = {ref.name: column_from_wire(ref, frames) for ref in msg.columns}
+            self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns)
+            return Ok(rid=msg.rid, count=len(msg.row_ids))
+        if self.segments is None:
+            raise InvalidRequestError(
+                "this storage unit has no shared memory; send the tensors as frames",
+                chunk=msg.chunk,
+            )
+        try:
+            views = [frames[0], *self.segments.adopt(msg.chunk, msg.shared)]
+            columns = {ref.name: column_from_wire(ref, views) for ref in msg.columns}
+            self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns)
+        except BaseException:
+            if not self.store.holds(msg.chunk):  # nothing stored: leave no orphan segment either
+                self.segments.release(msg.chunk)
+            raise
+        return Ok(rid=msg.rid, count=len(msg.row_ids))
+
+    def _fetch(self, msg: Fetch) -> tuple[Columns, list[Any]]:
+        columns = self.store.fetch(msg.partition, msg.row_ids, msg.fields)
+        refs, buffers = columns_to_wire(columns)
+        if not msg.shared or self.segments is None:
+            return Columns(rid=msg.rid, columns=refs), buffers
+        shared: dict[int, Region] = {}
+        out: list[Any] = list(buffers)
+        rest: list[int] = []  # frame indices of buffers that are not in a chunk segment
+        for i, buf in enumerate(buffers, 1):
+            region = self.segments.region(buf)
+            if region is None:
+                rest.append(i)
+            else:
+                shared[i], out[i - 1] = region, b""
+        gathered = sum(memoryview(buffers[i - 1]).nbytes for i in rest)
+        if rest and gathered >= shm.GATHER_SEGMENT_BYTES:
+            regions = self.segments.gather_segment([buffers[i - 1] for i in rest])
+            for i, region in zip(rest, regions, strict=True):
+                shared[i], out[i - 1] = region, b""
+            asyncio.get_running_loop().call_later(GATHER_UNLINK_DELAY, shm.unlink, regions[0].name)
+        return Columns(rid=msg.rid, columns=refs, shared=shared), out
 
     def handle(self, msg: Any, frames: list[Any], responder: Responder) -> Any:
         s = self.store
         match msg:
             case Store():
-                columns = {ref.name: column_from_wire(ref, frames) for ref in msg.columns}
-                s.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns)
-                return Ok(rid=msg.rid, count=len(msg.row_ids))
+                return self._store(msg, frames)
             case Fetch():
-                columns = s.fetch(msg.partition, msg.row_ids, msg.fields)
-                refs, buffers = columns_to_wire(columns)
-                return Columns(rid=msg.rid, columns=refs), buffers
+                return self._fetch(msg)
             case DropRows():
                 return Ok(rid=msg.rid, count=s.drop_rows(msg.partition, msg.row_ids))
             case DropChunks():

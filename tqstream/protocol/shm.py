@@ -1,0 +1,273 @@
+"""Shared memory between a client and a storage unit on the same host.
+
+A storage unit owns a *token* and names every segment it may serve ``tqs-<token>-...`` under
+``/dev/shm``. Its ``Welcome`` carries the token; a client that can open the unit's probe segment and
+read the token back shares its memory (same host, same ``/dev/shm``) and from then on moves tensor
+bytes through segments instead of ZMQ frames, which then carry only the msgpack header:
+
+* put: the client lays a chunk's buffers out in a new segment ``tqs-<token>-c<chunk>`` (one copy)
+  and sends ``Store`` with the segment's regions; the unit maps the segment and keeps it as the
+  chunk's memory, unlinking its name when the chunk is dropped.
+* get: the unit answers a ``Fetch`` with regions of the chunk segments when the rows sit in order in
+  one chunk (zero copy); gathered data above ``GATHER_SEGMENT_BYTES`` goes to a fresh segment
+  ``tqs-<token>-g<n>`` (one copy) that the client unlinks once mapped, smaller data as frames.
+
+Readers map segments copy-on-write (``MAP_PRIVATE``): tensors are views of the unit's pages, a write
+to one touches a private copy of that page only, and the pages stay valid after the unit unlinks the
+name; the kernel frees them when the last view is garbage. Segments of a unit that died without
+cleaning up are removed by the next unit started on the host (its probe names the owner's pid).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+import re
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tqstream.errors import MalformedMessageError
+from tqstream.protocol.messages import Region
+
+__all__ = [
+    "GATHER_SEGMENT_BYTES",
+    "SHM_DIR",
+    "Segments",
+    "UnitSegments",
+    "available",
+    "chunk_segment",
+    "reachable",
+    "unlink",
+    "write_segment",
+]
+
+SHM_DIR = "/dev/shm"
+ALIGN = 64
+GATHER_SEGMENT_BYTES = 1 << 20
+"""Gathered fetch data at least this large goes through a fresh segment instead of frames."""
+_NAME = re.compile(r"tqs-[0-9a-f]{16}-[cg][0-9]+")
+
+
+def available() -> bool:
+    """Whether this host has a writable POSIX shared-memory directory."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def chunk_segment(token: str, chunk: int) -> str:
+    return f"tqs-{token}-c{chunk}"
+
+
+def unlink(name: str) -> None:
+    """Remove a segment's name (mapped views keep its pages); a missing one is no error."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_path(name))
+
+
+def reachable(token: str) -> bool:
+    """Whether the unit that owns ``token`` shares this process's ``/dev/shm``."""
+    if not token or not re.fullmatch(r"[0-9a-f]{16}", token):
+        return False
+    try:
+        with open(_path(f"tqs-{token}-probe"), "rb") as f:
+            return f.read(16) == token.encode()
+    except OSError:
+        return False
+
+
+def _layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // ALIGN) * ALIGN
+    return offsets, max(end, 1)
+
+
+def write_segment(name: str, buffers: Sequence[Any]) -> list[Region]:
+    """Create segment ``name`` holding ``buffers`` (one copy each); return their regions. On
+    failure (e.g. ``ENOSPC``: /dev/shm is full) nothing is left behind."""
+    sizes = [memoryview(b).nbytes for b in buffers]
+    offsets, size = _layout(sizes)
+    fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # reserve every page first: a full /dev/shm fails here, not with SIGBUS in a reader
+        os.posix_fallocate(fd, 0, size)
+        for buf, off, n in zip(buffers, offsets, sizes, strict=True):
+            view = memoryview(buf).cast("B")
+            while n:  # write() without a mapping of our own: no page-table work, GIL released
+                done = os.pwrite(fd, view, off)
+                view, off, n = view[done:], off + done, n - done
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+    return [Region(name, off, n) for off, n in zip(offsets, sizes, strict=True)]
+
+
+def _map(name: str) -> mmap.mmap:
+    """A copy-on-write mapping of segment ``name`` (the caller validated the name)."""
+    fd = os.open(_path(name), os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+class Segments:
+    """Maps the segments one message refers to, each once; ``views`` are memoryviews that keep
+    their mapping alive (and so do tensors built on them)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def mapping(self, name: str) -> mmap.mmap:
+        mm = self._maps.get(name)
+        if mm is None:
+            if not _NAME.fullmatch(name) or not name.startswith(f"tqs-{self.token}-"):
+                raise MalformedMessageError(
+                    f"shared-memory segment {name!r} is not one of this storage unit's "
+                    f"(tqs-{self.token}-c<chunk> or -g<n>)",
+                    segment=name,
+                )
+            try:
+                mm = self._maps[name] = _map(name)
+            except FileNotFoundError:
+                raise MalformedMessageError(
+                    f"shared-memory segment {name!r} does not exist (its rows were dropped, or "
+                    "it was never written)",
+                    segment=name,
+                ) from None
+        return mm
+
+    def view(self, region: Region) -> memoryview:
+        mm = self.mapping(region.name)
+        if region.offset < 0 or region.nbytes < 0 or region.offset + region.nbytes > len(mm):
+            raise MalformedMessageError(
+                f"region [{region.offset}, +{region.nbytes}) lies outside segment "
+                f"{region.name!r} of {len(mm)} bytes",
+                segment=region.name,
+            )
+        return memoryview(mm)[region.offset : region.offset + region.nbytes]
+
+
+def _address(buffer: Any) -> int:
+    view = memoryview(buffer)
+    if view.nbytes == 0:
+        return 0
+    return int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data)
+
+
+class UnitSegments:
+    """A storage unit's segments: its probe, the chunk segments it maps, and lookups from a
+    buffer's address back to (segment, offset) so fetched views can be answered as regions."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(8)
+        _sweep_dead_units()
+        probe = _path(f"tqs-{self.token}-probe")
+        with open(probe, "xb") as f:
+            f.write(f"{self.token} {os.getpid()}".encode())
+        self.reader = Segments(self.token)
+        self._bases: list[int] = []  # sorted start addresses of the mapped chunk segments
+        self._spans: dict[int, tuple[int, str]] = {}  # start -> (end, name)
+        self._chunk_names: dict[int, str] = {}
+        self._gathers = 0
+
+    def adopt(self, chunk: int, regions: Sequence[Region]) -> list[memoryview]:
+        """Map the chunk segment a client wrote; the returned views become the chunk's frames."""
+        name = chunk_segment(self.token, chunk)
+        if chunk in self._chunk_names:
+            raise MalformedMessageError(
+                f"chunk {chunk} is already stored; the same Store must not be applied twice",
+                chunk=chunk,
+            )
+        if any(r.name != name for r in regions):
+            raise MalformedMessageError(
+                f"a Store of chunk {chunk} must name segment {name!r}, got "
+                f"{sorted({r.name for r in regions})}",
+                chunk=chunk,
+            )
+        views = [self.reader.view(r) for r in regions]
+        mm = self.reader._maps.pop(name)
+        start = _address(mm)
+        self._spans[start] = (start + len(mm), name)
+        bisect.insort(self._bases, start)
+        self._chunk_names[chunk] = name
+        return views
+
+    def release(self, chunk: int) -> None:
+        """The chunk was dropped (or never stored): unlink its segment's name; views already
+        handed out keep their pages until they die."""
+        name = self._chunk_names.pop(chunk, None)
+        if name is None:
+            unlink(chunk_segment(self.token, chunk))  # written by a client, never adopted
+            return
+        for start, (_, n) in list(self._spans.items()):
+            if n == name:
+                del self._spans[start]
+                self._bases.pop(bisect.bisect_left(self._bases, start))
+                break
+        unlink(name)
+
+    def region(self, buffer: Any) -> Region | None:
+        """Where ``buffer`` lies inside a chunk segment, or None."""
+        n = memoryview(buffer).nbytes
+        addr = _address(buffer)
+        i = bisect.bisect_right(self._bases, addr) - 1
+        if n == 0 or i < 0:
+            return None
+        start = self._bases[i]
+        end, name = self._spans[start]
+        return Region(name, addr - start, n) if addr + n <= end else None
+
+    def gather_segment(self, buffers: Sequence[Any]) -> list[Region]:
+        self._gathers += 1
+        return write_segment(f"tqs-{self.token}-g{self._gathers}", buffers)
+
+    def close(self) -> None:
+        """Unlink every name this unit owns (mapped views stay valid)."""
+        _remove_token(self.token)
+
+
+def _remove_token(token: str) -> None:
+    prefix = f"tqs-{token}-"
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHM_DIR):
+            if entry.name.startswith(prefix):
+                unlink(entry.name)
+
+
+def _sweep_dead_units() -> None:
+    """Remove the segments of units on this host whose process is gone."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHM_DIR):
+            m = re.fullmatch(r"tqs-([0-9a-f]{16})-probe", entry.name)
+            if m is None:
+                continue
+            try:
+                with open(entry.path, "rb") as f:
+                    pid = int(f.read(64).split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if not _alive(pid):
+                _remove_token(m.group(1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
