@@ -71,7 +71,9 @@ class Client:
     """A connection to a tqstream controller and its storage units.
 
     Create one with :func:`tqstream.init` (embedded controller and storage unit) or
-    :func:`tqstream.connect` (a cluster started by ``tqstream-launch``).
+    :func:`tqstream.connect` (a cluster started by ``tqstream-launch``). ``io``, ``context`` and
+    ``inproc_address`` are how an embedded cluster lends its client its loop thread, ZMQ context
+    and ``inproc://`` endpoint; ``address`` stays the TCP address other processes connect to.
     """
 
     def __init__(
@@ -80,21 +82,30 @@ class Client:
         config: ClientConfig | None = None,
         *,
         on_close: Callable[[], None] | None = None,
+        io: LoopThread | None = None,
+        context: Any = None,
+        inproc_address: str | None = None,
     ) -> None:
         self.address = address
         self.config = config or from_env(ClientConfig)
         self._pid = os.getpid()
-        self._io = LoopThread(name="tqstream-client-io")
+        self._owns_io = io is None
+        self._io = io or LoopThread(name="tqstream-client-io")
         self._closed = False
         self._on_close = on_close
         try:
-            self._core = self._io.run(ClientCore.open(address, self.config))
+            self._core = self._io.run(
+                ClientCore.open(inproc_address or address, self.config, context)
+            )
         except BaseException:
-            self._io.stop()
+            if self._owns_io:
+                self._io.stop()
             if on_close is not None:
                 on_close()
             raise
-        self._finalizer = weakref.finalize(self, _finalize, self._io, self._core, on_close)
+        self._finalizer = weakref.finalize(
+            self, _finalize, self._io if self._owns_io else None, self._core, on_close
+        )
 
     # --- lifecycle ---
     def close(self) -> None:
@@ -103,7 +114,7 @@ class Client:
             return
         self._closed = True
         self._finalizer.detach()
-        _finalize(self._io, self._core, self._on_close)
+        _finalize(self._io if self._owns_io else None, self._core, self._on_close, self._io)
 
     def __enter__(self) -> Client:
         return self
@@ -632,12 +643,21 @@ def _partition_message(
     )
 
 
-def _finalize(io: LoopThread, core: ClientCore, on_close: Callable[[], None] | None) -> None:
+def _finalize(
+    own: LoopThread | None,
+    core: ClientCore,
+    on_close: Callable[[], None] | None,
+    borrowed: LoopThread | None = None,
+) -> None:
+    """Close the sockets on the loop; stop the loop if the client owns it; then ``on_close``
+    (an embedded cluster stops its servers, and the loop it lent the client)."""
+    io = own or borrowed
     try:
-        if io.loop.is_running():
+        if io is not None and io.loop.is_running():
             io.submit(core.close()).result(timeout=10)
     finally:
-        io.stop()
+        if own is not None:
+            own.stop()
         if on_close is not None:
             on_close()
 

@@ -96,23 +96,40 @@ def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) 
 
 
 class ClientCore:
-    def __init__(self, ctx: zmq.Context[Any], controller: Connection, config: ClientConfig) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], controller: Connection, config: ClientConfig, owns_ctx: bool
+    ) -> None:
         self.ctx = ctx
+        self._owns_ctx = owns_ctx
         self.config = config
         self.controller = controller
-        self.unit_addresses: list[str] = list(controller.welcome.units)
+        self.unit_addresses: list[str] = self._addresses(controller.welcome)
         self._units: dict[int, asyncio.Task[Connection]] = {}
         self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
 
     @classmethod
-    async def open(cls, address: str, config: ClientConfig) -> ClientCore:
-        ctx = zmq.Context[Any]()
+    async def open(
+        cls, address: str, config: ClientConfig, ctx: zmq.Context[Any] | None = None
+    ) -> ClientCore:
+        """Connect to the controller at ``address``; ``ctx``, when given, is the embedded
+        servers' context (needed for ``inproc://`` addresses) and stays open at close."""
+        own = zmq.Context[Any]() if ctx is None else None
         try:
-            conn = await cls._connect(ctx, address, config)
+            conn = await cls._connect(own or ctx, address, config)  # type: ignore[arg-type]
         except BaseException:
-            ctx.destroy(linger=0)
+            if own is not None:
+                own.destroy(linger=0)
             raise
-        return cls(ctx, conn, config)
+        return cls(own or ctx, conn, config, owns_ctx=own is not None)  # type: ignore[arg-type]
+
+    def _addresses(self, welcome: Welcome) -> list[str]:
+        """The units' addresses; their inproc ones when we reached the controller in-process."""
+        if not self.controller.address.startswith("inproc://"):
+            return list(welcome.units)
+        local = welcome.inproc_units
+        return [
+            (local[i] if i < len(local) and local[i] else a) for i, a in enumerate(welcome.units)
+        ]
 
     @staticmethod
     async def _connect(ctx: zmq.Context[Any], address: str, config: ClientConfig) -> Connection:
@@ -132,7 +149,8 @@ class ClientCore:
                 task.cancel()
         self._units.clear()
         await self.controller.close()
-        self.ctx.destroy(linger=0)
+        if self._owns_ctx:
+            self.ctx.destroy(linger=0)
 
     async def _unit(self, index: int) -> Connection:
         task = self._units.get(index)
@@ -145,7 +163,7 @@ class ClientCore:
     async def _open_unit(self, index: int) -> Connection:
         if index >= len(self.unit_addresses):  # a unit that registered after we connected
             welcome = await self._ask(Hello(rid=0, protocol=PROTOCOL_VERSION), Welcome)
-            self.unit_addresses = list(welcome.units)
+            self.unit_addresses = self._addresses(welcome)
         if index >= len(self.unit_addresses):
             raise InternalError(
                 f"the controller placed rows on storage unit {index}, but knows "

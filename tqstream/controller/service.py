@@ -61,7 +61,9 @@ __all__ = ["ControllerService"]
 
 
 class ControllerService:
-    def __init__(self, config: ControllerConfig, ctx: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self, config: ControllerConfig, ctx: zmq.Context[Any] | None = None, inproc: bool = False
+    ) -> None:
         self.config = config
         self.ctx = ctx or zmq.Context[Any].instance()
         self.state = ControllerState(
@@ -75,8 +77,11 @@ class ControllerService:
             name="controller",
             max_message_bytes=config.max_message_bytes,
             units=lambda: list(self.state.units),
+            inproc_units=lambda: list(self.inproc_units),
+            inproc=inproc,
         )
         self.units: list[Connection] = []
+        self.inproc_units: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -166,7 +171,7 @@ class ControllerService:
                 case GetStats():
                     return self._stats(msg.rid, msg.partition)
                 case RegisterUnit():
-                    return self._register(msg.rid, msg.address, msg.max_bytes)
+                    return self._register(msg.rid, msg.address, msg.max_bytes, msg.inproc)
                 case _:
                     raise InvalidRequestError(
                         f"{type(msg).__name__} is not a controller request; it goes to a "
@@ -238,18 +243,19 @@ class ControllerService:
         self._rearm()
 
     # --- units and stats ---
-    async def _register(self, rid: int, address: str, max_bytes: int) -> Registered:
+    async def _register(self, rid: int, address: str, max_bytes: int, inproc: str) -> Registered:
         if address in self.state.units:
             return Registered(rid=rid, unit=self.state.units.index(address))
         conn = await Connection.open(
             self.ctx,
-            address,
+            inproc or address,
             role="controller",
             connect_timeout=ClientConfig.connect_timeout,
             heartbeat_interval=ClientConfig.heartbeat_interval,
             max_message_bytes=self.config.max_message_bytes,
         )
         self.units.append(conn)
+        self.inproc_units.append(inproc)
         return Registered(rid=rid, unit=self.state.add_unit(address, max_bytes))
 
     async def _stats(self, rid: int, partition: str | None) -> StatsReply:

@@ -42,11 +42,11 @@ class EmbeddedCluster:
     async def _start(self, cc: ControllerConfig, sc: StorageConfig, n: int) -> None:
         self._ctx = zmq.Context[Any]()
         loop = asyncio.get_running_loop()
-        self.controller = ControllerService(cc, self._ctx)
+        self.controller = ControllerService(cc, self._ctx, inproc=True)
         self.units: list[StorageService] = []
         self._watch(loop.create_task(self.controller.serve(), name="tqstream-controller"))
         for i in range(n):
-            unit = StorageService(sc, self.controller.address, self._ctx)
+            unit = StorageService(sc, self.controller.address, self._ctx, inproc=True)
             self.units.append(unit)
             self._watch(loop.create_task(unit.serve(), name=f"tqstream-storage-{i}"))
             await unit.register()
@@ -71,6 +71,16 @@ class EmbeddedCluster:
     @property
     def address(self) -> str:
         return self.controller.address
+
+    @property
+    def context(self) -> zmq.Context[Any]:
+        """The servers' ZMQ context; clients in this process share it to use inproc://."""
+        return self._ctx
+
+    @property
+    def io(self) -> LoopThread:
+        """The loop thread the servers run on."""
+        return self._io
 
     def close(self) -> None:
         """Stop the servers and free their ports. Idempotent."""
@@ -132,7 +142,16 @@ def init(
     )
     cluster = EmbeddedCluster(cc, sc, storage_units)
     try:
-        return Client(cluster.address, client_config, on_close=cluster.close)
+        # the client shares the servers' loop thread: a request and its answer then run on one
+        # thread, with no hand-over of the GIL between the client's and the servers' threads
+        return Client(
+            cluster.address,
+            client_config,
+            inproc_address=cluster.controller.server.inproc_address,
+            on_close=cluster.close,
+            io=cluster.io,
+            context=cluster.context,
+        )
     except BaseException:
         cluster.close()
         raise

@@ -69,12 +69,14 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     max_message_bytes: int
     units: list[str] = []
     shm: str = ""  # a storage unit's shared-memory token; "" when it has none
+    inproc_units: list[str] = []  # units' inproc:// addresses (embedded), "" where none
 
 
 # --- controller requests ---
 class RegisterUnit(_Msg, frozen=True, tag="register_unit"):
     address: str
     max_bytes: int = 0  # the unit's byte quota; 0: unlimited
+    inproc: str = ""  # the unit's inproc:// address when it runs embedded
 
 
 class CreatePartition(_Msg, frozen=True, tag="create_partition"):

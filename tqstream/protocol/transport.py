@@ -167,13 +167,19 @@ class Server:
         name: str,
         max_message_bytes: int,
         units: Callable[[], list[str]] = lambda: [],
+        inproc_units: Callable[[], list[str]] = lambda: [],
         shm: str = "",
+        inproc: bool = False,
     ) -> None:
+        """``inproc``: also bind an ``inproc://`` endpoint (``inproc_address``) for clients in this
+        process that share ``ctx``; they skip TCP and libzmq's I/O thread."""
         self.name = name
         self.max_message_bytes = max_message_bytes
         self._handler = handler
         self._units = units
+        self._inproc_units = inproc_units
         self._shm = shm
+        self.inproc_address = ""
         self._closed = False
         self._failure: BaseException | None = None
         self._done: asyncio.Future[None] | None = None
@@ -187,6 +193,9 @@ class Server:
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + MiB)
             sock.bind(f"tcp://{host}:{port}")
             self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if inproc:
+                self.inproc_address = f"inproc://tqstream-{name}-{id(self):x}"
+                sock.bind(self.inproc_address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise OSError(
@@ -300,6 +309,7 @@ class Server:
             max_message_bytes=self.max_message_bytes,
             units=list(self._units()),
             shm=self._shm,
+            inproc_units=list(self._inproc_units()),
         )
 
     def _deliver(self, responder: Responder, result: HandlerResult) -> None:

@@ -55,6 +55,7 @@ class StorageService:
         config: StorageConfig,
         controller: str | None,
         ctx: zmq.Context[Any] | None = None,
+        inproc: bool = False,
     ) -> None:
         self.config = config
         self.controller = controller
@@ -69,6 +70,7 @@ class StorageService:
             name="storage",
             max_message_bytes=config.max_message_bytes,
             shm=self.segments.token if self.segments else "",
+            inproc=inproc,
         )
         self.unit: int | None = None
 
@@ -88,7 +90,12 @@ class StorageService:
             max_message_bytes=self.config.max_message_bytes,
         )
         try:
-            msg = RegisterUnit(rid=0, address=self.address, max_bytes=self.config.max_bytes)
+            msg = RegisterUnit(
+                rid=0,
+                address=self.address,
+                max_bytes=self.config.max_bytes,
+                inproc=self.server.inproc_address,
+            )
             reply, _ = await conn.request(msg, timeout=30.0)
         finally:
             await conn.close()
