@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from tqstream.config import ClientConfig
-from tqstream.errors import InternalError, InvalidRequestError, TQStreamError
+from tqstream.errors import InternalError, InvalidRequestError, TQStreamError, UnknownRowError
 from tqstream.protocol import shm
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.messages import (
@@ -80,7 +80,7 @@ def _store_message(
 def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) -> list[Any]:
     """The reply's frames with the shared ones replaced by views of the unit's segments; a gather
     segment is unlinked once mapped (its views keep the memory until they die)."""
-    segments = shm.Segments(token)
+    segments = shm.Segments(token, missing=UnknownRowError)
     out: list[Any] = list(frames)
     try:
         for i, region in shared.items():

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tqstream.errors import MalformedMessageError
+from tqstream.errors import MalformedMessageError, TQStreamError
 from tqstream.protocol.messages import Region
 
 __all__ = [
@@ -126,8 +126,11 @@ class Segments:
     """Maps the segments one message refers to, each once; ``views`` are memoryviews that keep
     their mapping alive (and so do tensors built on them)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, missing: type[TQStreamError] = MalformedMessageError) -> None:
+        """``missing``: the error for a segment that does not exist (a client raises
+        UnknownRowError: the rows were dropped between the unit's answer and the mapping)."""
         self.token = token
+        self.missing = missing
         self._maps: dict[str, mmap.mmap] = {}
 
     def mapping(self, name: str) -> mmap.mmap:
@@ -142,9 +145,9 @@ class Segments:
             try:
                 mm = self._maps[name] = _map(name)
             except FileNotFoundError:
-                raise MalformedMessageError(
-                    f"shared-memory segment {name!r} does not exist (its rows were dropped, or "
-                    "it was never written)",
+                raise self.missing(
+                    f"shared-memory segment {name!r} does not exist: its rows were dropped (e.g. "
+                    "cleared while being fetched), or it was never written",
                     segment=name,
                 ) from None
         return mm
@@ -197,8 +200,11 @@ class UnitSegments:
                 f"{sorted({r.name for r in regions})}",
                 chunk=chunk,
             )
-        views = [self.reader.view(r) for r in regions]
-        mm = self.reader._maps.pop(name)
+        try:
+            views = [self.reader.view(r) for r in regions]
+        finally:
+            mm = self.reader._maps.pop(name, None)  # a refused Store keeps no mapping
+        assert mm is not None
         start = _address(mm)
         self._spans[start] = (start + len(mm), name)
         bisect.insort(self._bases, start)

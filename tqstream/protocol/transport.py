@@ -62,6 +62,11 @@ HandlerResult = Any | tuple[Any, Sequence[Any]] | Awaitable[Any] | None
 Handler = Callable[[Any, list[zmq.Frame], "Responder"], HandlerResult]
 
 
+_ENDPOINTS = itertools.count()
+"""Numbers inproc endpoint names: ``id()`` values are reused, and libzmq releases a closed
+socket's endpoint asynchronously, so a reused name could still be taken."""
+
+
 def _socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
     """A socket with the blocking API (also from a ``zmq.asyncio`` context), closed by
     ``ctx.destroy()`` like any other."""
@@ -194,7 +199,7 @@ class Server:
             sock.bind(f"tcp://{host}:{port}")
             self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             if inproc:
-                self.inproc_address = f"inproc://tqstream-{name}-{id(self):x}"
+                self.inproc_address = f"inproc://tqstream-{name}-{next(_ENDPOINTS)}"
                 sock.bind(self.inproc_address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
@@ -407,9 +412,10 @@ class Connection:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
             sock.setsockopt(zmq.HEARTBEAT_TTL, min(3 * ivl, 6_553_500))  # lets the server drop us
             # before connect(), so no event can be missed; a plain PAIR, like the socket itself
-            sock.monitor(f"inproc://tqstream-monitor-{id(sock)}", events)
+            endpoint = f"inproc://tqstream-monitor-{next(_ENDPOINTS)}"
+            sock.monitor(endpoint, events)
             monitor = _socket(ctx, zmq.PAIR)
-            monitor.connect(f"inproc://tqstream-monitor-{id(sock)}")
+            monitor.connect(endpoint)
             try:
                 sock.connect(address)
             except zmq.ZMQError as exc:

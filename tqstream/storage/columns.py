@@ -95,10 +95,8 @@ class ColumnStore:
         """Rows with at least one field held, over all partitions."""
         return sum(len(part.rows) for part in self._partitions.values())
 
-    def add_chunk(
-        self, partition: str, chunk_id: int, row_ids: Sequence[int], columns: Mapping[str, Column]
-    ) -> None:
-        """Store one chunk; everything is checked before anything changes (all or nothing)."""
+    def check_arrival(self, partition: str, chunk_id: int) -> None:
+        """Refuse a chunk whose put was rolled back before it arrived, or one already stored."""
         where = f"chunk {chunk_id} of partition {partition!r}"
         if chunk_id in self._tombstones:
             raise InvalidRequestError(
@@ -112,6 +110,13 @@ class ColumnStore:
                 "segment, so the same Store must not be applied twice",
                 chunk=chunk_id,
             )
+
+    def add_chunk(
+        self, partition: str, chunk_id: int, row_ids: Sequence[int], columns: Mapping[str, Column]
+    ) -> None:
+        """Store one chunk; everything is checked before anything changes (all or nothing)."""
+        self.check_arrival(partition, chunk_id)
+        where = f"chunk {chunk_id} of partition {partition!r}"
         n = len(row_ids)
         if n == 0 or not columns:
             raise BatchShapeError(

@@ -125,6 +125,7 @@ class StorageService:
                 chunk=msg.chunk,
             )
         try:
+            self.store.check_arrival(msg.partition, msg.chunk)  # before the segment's name is used
             views = [frames[0], *self.segments.adopt(msg.chunk, msg.shared)]
             columns = {ref.name: column_from_wire(ref, views) for ref in msg.columns}
             self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns)
@@ -150,10 +151,15 @@ class StorageService:
                 shared[i], out[i - 1] = region, b""
         gathered = sum(memoryview(buffers[i - 1]).nbytes for i in rest)
         if rest and gathered >= shm.GATHER_SEGMENT_BYTES:
-            regions = self.segments.gather_segment([buffers[i - 1] for i in rest])
-            for i, region in zip(rest, regions, strict=True):
+            try:
+                regions = self.segments.gather_segment([buffers[i - 1] for i in rest])
+            except OSError:  # e.g. /dev/shm is full: these buffers go as frames
+                regions = []
+            for i, region in zip(rest, regions, strict=False):
                 shared[i], out[i - 1] = region, b""
-            asyncio.get_running_loop().call_later(GATHER_UNLINK_DELAY, shm.unlink, regions[0].name)
+            if regions:
+                loop = asyncio.get_running_loop()
+                loop.call_later(GATHER_UNLINK_DELAY, shm.unlink, regions[0].name)
         return Columns(rid=msg.rid, columns=refs, shared=shared), out
 
     def handle(self, msg: Any, frames: list[Any], responder: Responder) -> Any:

@@ -1,0 +1,585 @@
+"""Shared memory between a client and a storage unit on the same host: tensor bytes go through
+``/dev/shm`` segments instead of ZMQ frames, got tensors are copy-on-write views of them, and
+every segment is unlinked when its rows are dropped, when a Store is refused, at unit close, or by
+the next unit after its owner died."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import os
+import secrets
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+import tqstream
+from tqstream import Client
+from tqstream.protocol import shm
+from tqstream.protocol.codec import columns_from_data, columns_to_wire
+from tqstream.protocol.messages import (
+    DropChunks,
+    Fetch,
+    GetUnitStats,
+    Ok,
+    Region,
+    Store,
+    UnitStatsReply,
+)
+from tqstream.protocol.transport import Connection
+
+pytestmark = pytest.mark.skipif(
+    not shm.available(), reason=f"needs a writable POSIX shared-memory directory ({shm.SHM_DIR})"
+)
+
+T = TypeVar("T")
+GATHER_ROWS = 3 * shm.GATHER_SEGMENT_BYTES // (2 * 1024 * 4)
+"""Rows of float32[1024] that make 1.5 times the size from which gathered rows use a segment."""
+RAW_CHUNK = 1 << 40  # chunk ids far above any the controller assigns in these tests
+
+
+# --- helpers -------------------------------------------------------------------------------------
+def segments(token: str, kind: str = "") -> set[str]:
+    """Names under /dev/shm of ``token``'s segments (``kind``: "c", "g", "probe" or all)."""
+    prefix = f"tqs-{token}-{kind}"
+    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(prefix)}
+
+
+def maps() -> list[tuple[int, int, str, str]]:
+    """(start, end, perms, path) of every mapping of this process."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(maxsplit=5)
+            start, end = (int(a, 16) for a in parts[0].split("-"))
+            out.append((start, end, parts[1], parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def mapping_of(t: torch.Tensor) -> tuple[str, str]:
+    """(perms, path) of the mapping that holds ``t``'s bytes, ("", "") when none does."""
+    first, last = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size() - 1
+    for start, end, perms, path in maps():
+        if start <= first < end:
+            return (perms, path) if last < end else ("", "")
+    return "", ""
+
+
+def mapped(name: str) -> list[str]:
+    """Paths of this process's mappings of segment ``name`` (deleted or not)."""
+    path = f"{shm.SHM_DIR}/{name}"
+    return [p for _, _, _, p in maps() if p == path or p == f"{path} (deleted)"]
+
+
+def in_chunk_segment(t: torch.Tensor, token: str) -> bool:
+    """Whether ``t`` is a private (copy-on-write) view of one of ``token``'s chunk segments."""
+    perms, path = mapping_of(t)
+    return perms.endswith("p") and path.startswith(f"{shm.SHM_DIR}/tqs-{token}-c")
+
+
+def token_of(client: Client, unit: int = 0) -> str:
+    """The shared-memory token a unit offers in its Welcome (whatever the client uses)."""
+    address = client.stats().units[unit].address
+    return on_unit(address, _welcome_token)
+
+
+async def _welcome_token(conn: Connection) -> str:
+    return conn.welcome.shm
+
+
+def on_unit(address: str, body: Callable[[Connection], Awaitable[T]]) -> T:
+    """Run ``body`` with a raw protocol connection to the storage unit at ``address``."""
+
+    async def main() -> T:
+        ctx = zmq.Context[Any]()
+        try:
+            conn = await Connection.open(
+                ctx, address, connect_timeout=5.0, heartbeat_interval=1.0, max_message_bytes=1 << 30
+            )
+            try:
+                return await body(conn)
+            finally:
+                await conn.close()
+        finally:
+            ctx.destroy(linger=0)
+
+    return asyncio.run(main())
+
+
+def store_request(token: str, chunk: int, data: dict[str, Any]) -> tuple[Store, list[Region]]:
+    """A Store of ``data`` as chunk ``chunk`` with its bytes written to the chunk's segment."""
+    n, columns = columns_from_data(data)
+    refs, buffers = columns_to_wire(columns)
+    regions = shm.write_segment(shm.chunk_segment(token, chunk), buffers)
+    msg = Store(rid=0, partition="raw", chunk=chunk, row_ids=list(range(n)), columns=refs)
+    return msgspec.structs.replace(msg, shared=regions), regions
+
+
+async def unit_chunks(conn: Connection) -> int:
+    reply, _ = await conn.request(GetUnitStats(rid=0), timeout=5)
+    assert isinstance(reply, UnitStatsReply)
+    return reply.stats.chunks
+
+
+def rows(n: int) -> dict[str, Any]:
+    """One field of every kind: dense int64/bool/float32/int32 [n, 8], a scalar, ragged, str."""
+    base = torch.arange(n * 8).reshape(n, 8)
+    return {
+        "ids": base,
+        "mask": base % 3 == 0,
+        "logp": base.to(torch.float32) / 7,
+        "pos": (base * 2).to(torch.int32),
+        "reward": torch.arange(n, dtype=torch.float32) - 0.5,
+        "tokens": [torch.arange(i, 2 * i + 1) for i in range(n)],
+        "prompt": [f"prompt {i} " * (i % 4) for i in range(n)],
+    }
+
+
+def assert_rows(data: Any, expected: dict[str, Any]) -> None:
+    for name in ("ids", "mask", "logp", "pos", "reward"):
+        got = data[name]
+        assert got.dtype == expected[name].dtype and torch.equal(got, expected[name]), name
+    for i, row in enumerate(expected["tokens"]):
+        assert torch.equal(data["tokens"][i], row)
+    assert data["prompt"].tolist() == expected["prompt"]
+
+
+@pytest.fixture
+def embedded() -> Iterator[Client]:
+    """An embedded cluster of one storage unit, shared memory on (the default)."""
+    client = tqstream.init(storage_units=1)
+    yield client
+    client.close()
+
+
+# --- data paths ----------------------------------------------------------------------------------
+def test_put_and_get_go_through_shared_memory(embedded: Client) -> None:
+    """Every field kind round-trips; the put wrote a chunk segment and the got dense tensors are
+    copy-on-write views of it (zero copy on the way out)."""
+    data = rows(12)
+    embedded.put(data, "p")
+    token = embedded._core._shm[0]
+    assert segments(token, "c"), "the put wrote no chunk segment"
+    batch = embedded.get("p", list(data), batch_size=12, task="t", timeout=5)
+    assert_rows(batch.data, data)
+    for name in ("ids", "mask", "logp", "pos", "reward"):
+        assert in_chunk_segment(batch.data[name], token), (name, mapping_of(batch.data[name]))
+    assert in_chunk_segment(batch.data["tokens"].values(), token)
+
+
+def test_put_fields_go_through_shared_memory(embedded: Client) -> None:
+    """Fields added to existing rows are stored in their own chunk segment and read back."""
+    meta = embedded.put({"x": torch.arange(6)}, "p")
+    token = embedded._core._shm[0]
+    before = segments(token, "c")
+    embedded.put_fields(meta, {"y": torch.arange(6, 12, dtype=torch.float32)})
+    assert len(segments(token, "c") - before) == 1
+    batch = embedded.get("p", ["x", "y"], batch_size=6, task="t", timeout=5)
+    assert batch.data["y"].tolist() == list(range(6, 12))
+    assert in_chunk_segment(batch.data["y"], token)
+
+
+def test_shared_memory_off_uses_frames_only() -> None:
+    """With shared_memory="off" the same data round-trips and no chunk segment is created."""
+    client = tqstream.init(client_config=tqstream.ClientConfig(shared_memory="off"))
+    try:
+        token = token_of(client)
+        assert token and segments(token, "probe"), "the unit offers shared memory"
+        data = rows(12)
+        client.put(data, "p")
+        assert segments(token, "c") == set()
+        batch = client.get("p", list(data), batch_size=12, task="t", timeout=5)
+        assert_rows(batch.data, data)
+        assert not client._core._shm
+        assert "tqs-" not in mapping_of(batch.data["ids"])[1]
+        assert segments(token, "c") == segments(token, "g") == set()
+    finally:
+        client.close()
+
+
+def test_view_outlives_cleared_rows_and_is_reclaimed(embedded: Client) -> None:
+    """A got tensor stays readable after its rows are cleared (the segment's name is gone, its
+    pages are not); once the tensor is garbage the mapping is gone too."""
+    x = torch.arange(4096, dtype=torch.float64).reshape(64, 64)
+    embedded.put({"x": x}, "p")
+    token = embedded._core._shm[0]
+    batch = embedded.get("p", "x", batch_size=64, task="t", timeout=5)
+    got = batch.data["x"]
+    path = mapping_of(got)[1]
+    assert path.startswith(f"{shm.SHM_DIR}/tqs-{token}-c"), path
+    name = os.path.basename(path)
+    embedded.clear_partition("p")
+    assert name not in os.listdir(shm.SHM_DIR)
+    assert torch.equal(got, x)
+    assert mapping_of(got)[1] == f"{shm.SHM_DIR}/{name} (deleted)"
+    del batch, got
+    gc.collect()
+    assert mapped(name) == []
+
+
+def test_writing_a_got_tensor_does_not_change_stored_rows(embedded: Client) -> None:
+    """Got tensors are copy-on-write: writing one in place leaves what other tasks get intact."""
+    x = torch.arange(32, dtype=torch.int64).reshape(4, 8)
+    meta = embedded.put({"x": x}, "p")
+    token = embedded._core._shm[0]
+    mine = embedded.get("p", "x", batch_size=4, task="a", timeout=5).data["x"]
+    assert in_chunk_segment(mine, token)
+    mine.fill_(-1)
+    assert bool((mine == -1).all())
+    assert torch.equal(embedded.get("p", "x", batch_size=4, task="b", timeout=5).data["x"], x)
+    assert torch.equal(embedded.get_by_keys("p", meta.keys, ["x"]).data["x"], x)
+
+
+def test_large_gather_goes_through_a_segment_that_is_unlinked(embedded: Client) -> None:
+    """Rows spanning two chunks (>= 1 MiB gathered) come back right through a gather segment
+    whose name is gone when the get returns."""
+    a, b = torch.randn(GATHER_ROWS, 1024), torch.randn(GATHER_ROWS, 1024)
+    embedded.put({"x": a}, "p")
+    embedded.put({"x": b}, "p")
+    token = embedded._core._shm[0]
+    got = embedded.get("p", "x", batch_size=2 * GATHER_ROWS, task="t", timeout=5).data["x"]
+    assert torch.equal(got, torch.cat([a, b]))
+    assert segments(token, "g") == set()
+    path = mapping_of(got)[1]
+    assert path.startswith(f"{shm.SHM_DIR}/tqs-{token}-g") and path.endswith(" (deleted)"), path
+
+
+def test_small_gather_goes_as_frames(embedded: Client) -> None:
+    """Rows out of order and under 1 MiB come back right without any gather segment."""
+    x = torch.arange(64, dtype=torch.int32).reshape(16, 4)
+    assert x.nbytes < shm.GATHER_SEGMENT_BYTES
+    meta = embedded.put({"x": x, "s": [str(i) for i in range(16)]}, "p")
+    token = embedded._core._shm[0]
+    order = [15, 3, 7, 0, 9]
+    got = embedded.get_by_keys("p", [meta.keys[i] for i in order], ["x", "s"]).data
+    assert torch.equal(got["x"], x[order])
+    assert got["s"].tolist() == [str(i) for i in order]
+    assert segments(token, "g") == set()
+    assert "tqs-" not in mapping_of(got["x"])[1]
+
+
+def test_two_units_each_share_their_own_segments() -> None:
+    """With two units each has its own token and segments; a get spanning both is right."""
+    client = tqstream.init(storage_units=2)
+    try:
+        parts = [torch.arange(12) + 12 * i for i in range(3)]
+        units = {u for x in parts for u in client.put({"x": x}, "p").units}
+        assert units == {0, 1}
+        tokens = client._core._shm
+        assert set(tokens) == {0, 1} and tokens[0] != tokens[1]
+        assert all(segments(token, "c") for token in tokens.values())
+        got = client.get("p", "x", batch_size=36, task="t", timeout=5).data["x"]
+        assert torch.equal(got, torch.cat(parts))
+    finally:
+        client.close()
+    assert all(segments(token) == set() for token in tokens.values())
+
+
+def test_chunk_segment_is_unlinked_with_its_last_row(embedded: Client) -> None:
+    """Clearing some rows of a chunk keeps its segment; clearing the last one unlinks it."""
+    meta = embedded.put({"x": torch.arange(4)}, "p")
+    token = embedded._core._shm[0]
+    (name,) = segments(token, "c")
+    embedded.clear_samples(meta.select([0, 1]))
+    assert segments(token, "c") == {name}
+    assert embedded.get_by_keys("p", meta.keys[2:], ["x"]).data["x"].tolist() == [2, 3]
+    embedded.clear_samples(meta.select([2, 3]))
+    assert segments(token, "c") == set()
+
+
+def test_unit_without_a_visible_probe_gets_frames(embedded: Client) -> None:
+    """A unit whose probe this client cannot read (another host) is served through frames."""
+    token = token_of(embedded)
+    shm.unlink(f"tqs-{token}-probe")
+    data = rows(6)
+    embedded.put(data, "p")
+    assert not embedded._core._shm
+    assert segments(token) == set()
+    assert_rows(embedded.get("p", list(data), batch_size=6, task="t", timeout=5).data, data)
+
+
+def test_clients_with_and_without_shared_memory_share_rows(embedded: Client) -> None:
+    """Rows put through frames are read through shared memory and the other way round; a large
+    read of a chunk stored as frames comes through a gather segment that is unlinked."""
+    framed = tqstream.connect(embedded.address, tqstream.ClientConfig(shared_memory="off"))
+    try:
+        big = torch.randn(GATHER_ROWS, 1024)
+        framed.put({"x": big}, "a")
+        got = embedded.get("a", "x", batch_size=GATHER_ROWS, task="t", timeout=5).data["x"]
+        assert torch.equal(got, big)
+        token = embedded._core._shm[0]
+        assert segments(token, "g") == set()
+        assert mapping_of(got)[1].startswith(f"{shm.SHM_DIR}/tqs-{token}-g")
+        data = rows(5)
+        embedded.put(data, "b")
+        assert segments(token, "c")
+        assert_rows(framed.get("b", list(data), batch_size=5, task="t", timeout=5).data, data)
+    finally:
+        framed.close()
+
+
+def test_process_cluster_uses_shared_memory_and_cleans_up() -> None:
+    """With storage in another process, the got tensors still map the unit's chunk segment, and
+    stopping the cluster leaves none of the unit's names behind."""
+    with tqstream.ProcessCluster(storage_units=1) as cluster:
+        client = tqstream.connect(cluster.address)
+        try:
+            data = rows(10)
+            client.put(data, "p")
+            token = client._core._shm[0]
+            assert segments(token, "c") and segments(token, "probe")
+            batch = client.get("p", list(data), batch_size=10, task="t", timeout=10)
+            assert_rows(batch.data, data)
+            assert in_chunk_segment(batch.data["logp"], token)
+        finally:
+            client.close()
+    assert segments(token) == set()
+    assert torch.equal(batch.data["ids"], data["ids"])  # the view outlives the unit
+
+
+def test_close_removes_every_segment_of_the_unit() -> None:
+    """Closing an embedded client stops its unit, which unlinks its probe and live chunks."""
+    client = tqstream.init()
+    try:
+        client.put({"x": torch.arange(100)}, "p")
+        token = client._core._shm[0]
+        assert segments(token, "c") and segments(token, "probe")
+    finally:
+        client.close()
+    assert segments(token) == set()
+
+
+def test_full_dev_shm_put_falls_back_to_frames(
+    embedded: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put whose segment cannot be written (/dev/shm full) is sent as frames instead."""
+
+    def full(name: str, buffers: Any) -> list[Region]:
+        raise OSError(errno.ENOSPC, "No space left on device", name)
+
+    monkeypatch.setattr(shm, "write_segment", full)
+    data = rows(8)
+    embedded.put(data, "p")
+    token = embedded._core._shm[0]
+    assert segments(token, "c") == set()
+    assert_rows(embedded.get("p", list(data), batch_size=8, task="t", timeout=5).data, data)
+
+
+def test_full_dev_shm_large_gather_falls_back_to_frames(
+    embedded: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gathered get of >= 1 MiB still succeeds when /dev/shm has no room for the gather segment:
+    its bytes go as frames."""
+    a, b = torch.randn(GATHER_ROWS, 1024), torch.randn(GATHER_ROWS, 1024)
+    embedded.put({"x": a}, "p")
+    embedded.put({"x": b}, "p")
+
+    def full(name: str, buffers: Any) -> list[Region]:
+        raise OSError(errno.ENOSPC, "No space left on device", name)
+
+    monkeypatch.setattr(shm, "write_segment", full)
+    got = embedded.get("p", "x", batch_size=2 * GATHER_ROWS, task="t", timeout=5).data["x"]
+    assert torch.equal(got, torch.cat([a, b]))
+
+
+# --- refused and aborted stores at the protocol level -----------------------------------------
+def test_store_arriving_after_its_chunk_was_dropped_is_refused(embedded: Client) -> None:
+    """A Store whose chunk was rolled back while it was in flight (segment written, then the drop,
+    then the Store) is refused as rolled back, like one sent as frames; the drop unlinked the
+    segment and nothing is stored."""
+    address = embedded.stats().units[0].address
+
+    async def body(conn: Connection) -> None:
+        token = conn.welcome.shm
+        chunk = RAW_CHUNK + 1
+        msg, _ = store_request(token, chunk, {"v": torch.arange(8)})
+        await conn.request(DropChunks(rid=0, chunks=[chunk]), timeout=5)
+        assert segments(token, "c") == set()
+        with pytest.raises(tqstream.InvalidRequestError, match="rolled back"):
+            await conn.request(msg, timeout=5)
+        assert await unit_chunks(conn) == 0
+        assert segments(token, "c") == set()
+
+    on_unit(address, body)
+
+
+def test_segment_written_after_its_chunk_was_dropped_is_unlinked(embedded: Client) -> None:
+    """A segment written after its chunk was dropped is unlinked when its refused Store arrives,
+    and nothing is stored."""
+    address = embedded.stats().units[0].address
+
+    async def body(conn: Connection) -> None:
+        token = conn.welcome.shm
+        chunk = RAW_CHUNK + 2
+        await conn.request(DropChunks(rid=0, chunks=[chunk]), timeout=5)
+        msg, _ = store_request(token, chunk, {"v": torch.arange(8)})
+        assert segments(token, "c") == {shm.chunk_segment(token, chunk)}
+        with pytest.raises(tqstream.InvalidRequestError, match="rolled back"):
+            await conn.request(msg, timeout=5)
+        assert await unit_chunks(conn) == 0
+        assert segments(token, "c") == set()
+
+    on_unit(address, body)
+
+
+def test_segment_whose_store_never_arrives_is_unlinked_by_the_drop(embedded: Client) -> None:
+    """The segment of an aborted put whose Store never reached the unit is unlinked by the drop
+    that rolls the put back (its name follows from the chunk id)."""
+    address = embedded.stats().units[0].address
+
+    async def body(conn: Connection) -> None:
+        token = conn.welcome.shm
+        chunk = RAW_CHUNK + 3
+        store_request(token, chunk, {"v": torch.arange(8)})
+        assert segments(token, "c") == {shm.chunk_segment(token, chunk)}
+        await conn.request(DropChunks(rid=0, chunks=[chunk]), timeout=5)
+        assert segments(token, "c") == set()
+        assert await unit_chunks(conn) == 0
+
+    on_unit(address, body)
+
+
+def test_store_naming_a_foreign_segment_is_refused(embedded: Client) -> None:
+    """A Store may only name its own chunk's segment of this unit: another unit's segment or a
+    path is refused as malformed, nothing is stored and the foreign segment is left alone."""
+    address = embedded.stats().units[0].address
+    other = secrets.token_hex(8)
+
+    async def body(conn: Connection) -> None:
+        token = conn.welcome.shm
+        chunk = RAW_CHUNK + 10
+        _, foreign = store_request(other, chunk, {"v": torch.arange(8)})
+        try:
+            for bad in (foreign, [Region("../x", 0, 64)], [Region(f"tqs-{token}-c1", 0, 64)]):
+                msg = Store(
+                    rid=0,
+                    partition="raw",
+                    chunk=chunk,
+                    row_ids=list(range(8)),
+                    columns=columns_to_wire(columns_from_data({"v": torch.arange(8)})[1])[0],
+                    shared=bad,
+                )
+                with pytest.raises(tqstream.MalformedMessageError, match="must name segment"):
+                    await conn.request(msg, timeout=5)
+            assert await unit_chunks(conn) == 0
+            assert segments(other, "c") == {shm.chunk_segment(other, chunk)}
+        finally:
+            shm.unlink(shm.chunk_segment(other, chunk))
+        assert segments(token, "c") == set()
+
+    on_unit(address, body)
+
+
+def test_store_with_a_region_out_of_bounds_is_refused_and_unlinked(embedded: Client) -> None:
+    """A region beyond its segment's end is refused as malformed, nothing is stored and the
+    segment's name is unlinked; the unit keeps serving."""
+    address = embedded.stats().units[0].address
+
+    async def body(conn: Connection) -> None:
+        token = conn.welcome.shm
+        chunk = RAW_CHUNK + 20
+        msg, regions = store_request(token, chunk, {"v": torch.arange(8)})
+        size = os.path.getsize(f"{shm.SHM_DIR}/{regions[0].name}")
+        bad = [Region(regions[0].name, regions[0].offset, size + 1)]
+        with pytest.raises(tqstream.MalformedMessageError, match="outside segment"):
+            await conn.request(msgspec.structs.replace(msg, shared=bad), timeout=5)
+        assert shm.chunk_segment(token, chunk) not in os.listdir(shm.SHM_DIR)
+        assert await unit_chunks(conn) == 0
+        ok, _ = store_request(token, chunk + 1, {"v": torch.arange(8)})
+        assert isinstance((await conn.request(ok, timeout=5))[0], Ok)
+        assert await unit_chunks(conn) == 1
+        await conn.request(DropChunks(rid=0, chunks=[chunk + 1]), timeout=5)
+        assert segments(token, "c") == set()
+
+    on_unit(address, body)
+
+
+def test_refused_store_keeps_no_mapping_in_the_unit(embedded: Client) -> None:
+    """A Store refused for a region out of bounds leaves the unit holding no mapping of the
+    segment, so its pages are freed (the embedded unit runs in this process)."""
+    address = embedded.stats().units[0].address
+    chunk = RAW_CHUNK + 30
+
+    async def body(conn: Connection) -> str:
+        msg, regions = store_request(conn.welcome.shm, chunk, {"v": torch.arange(1024)})
+        bad = [Region(regions[0].name, 0, 1 << 30)]
+        with pytest.raises(tqstream.MalformedMessageError, match="outside segment"):
+            await conn.request(msgspec.structs.replace(msg, shared=bad), timeout=5)
+        return regions[0].name
+
+    name = on_unit(address, body)
+    gc.collect()
+    assert mapped(name) == []
+
+
+def test_fetch_of_shared_rows_answers_regions(embedded: Client) -> None:
+    """A shared Fetch of rows in order in one chunk is answered with regions of the chunk's
+    segment and empty frames; the same Fetch without ``shared`` carries the bytes."""
+    x = torch.arange(40, dtype=torch.int64).reshape(10, 4)
+    meta = embedded.put({"x": x}, "p")
+    token = embedded._core._shm[0]
+    address = embedded.stats().units[0].address
+
+    async def body(conn: Connection) -> None:
+        fetch = Fetch(rid=0, partition="p", row_ids=meta.row_ids[2:6], fields=["x"], shared=True)
+        reply, frames = await conn.request(fetch, timeout=5)
+        (region,) = reply.shared.values()
+        assert region.name.startswith(f"tqs-{token}-c") and region.nbytes == 4 * 4 * 8
+        assert all(len(f.buffer) == 0 for f in frames[1:])
+        with open(f"{shm.SHM_DIR}/{region.name}", "rb") as f:
+            f.seek(region.offset)
+            got = torch.frombuffer(bytearray(f.read(region.nbytes)), dtype=torch.int64)
+        assert torch.equal(got.reshape(4, 4), x[2:6])
+        plain, frames = await conn.request(msgspec.structs.replace(fetch, shared=False), timeout=5)
+        assert not plain.shared and sum(len(f.buffer) for f in frames[1:]) == 4 * 4 * 8
+
+    on_unit(address, body)
+
+
+# --- segments of dead units ----------------------------------------------------------------------
+def test_segments_of_a_killed_unit_are_swept_by_the_next_unit() -> None:
+    """A storage process killed with live chunks leaves its segments; the next unit started on
+    the host removes them."""
+    with (
+        tqstream.ProcessCluster(storage_units=1) as cluster,
+        tqstream.connect(cluster.address) as client,
+    ):
+        client.put({"x": torch.arange(1000)}, "p")
+        token = client._core._shm[0]
+        unit = cluster.procs[1]
+        unit.kill()
+        unit.wait()
+        assert segments(token, "probe") and segments(token, "c")
+    tqstream.init().close()
+    assert segments(token) == set()
+
+
+def test_new_unit_sweeps_segments_of_dead_units() -> None:
+    """A unit starting on the host removes the segments of a unit whose process is gone, and
+    leaves those of a live one alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone, alive = secrets.token_hex(8), secrets.token_hex(8)
+    files = {
+        f"tqs-{gone}-probe": f"{gone} {dead.pid}",
+        f"tqs-{gone}-c1": "x",
+        f"tqs-{alive}-probe": f"{alive} {os.getpid()}",
+        f"tqs-{alive}-c1": "x",
+    }
+    try:
+        for name, text in files.items():
+            with open(f"{shm.SHM_DIR}/{name}", "x") as f:
+                f.write(text)
+        client = tqstream.init()
+        client.close()
+        assert segments(gone) == set()
+        assert segments(alive) == {f"tqs-{alive}-probe", f"tqs-{alive}-c1"}
+    finally:
+        for name in files:
+            shm.unlink(name)
