@@ -583,3 +583,24 @@ def test_new_unit_sweeps_segments_of_dead_units() -> None:
     finally:
         for name in files:
             shm.unlink(name)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_put_and_get_never_alias_the_callers_memory(mode: str) -> None:
+    """Embedded (inproc, where ZMQ passes buffers by pointer) with and without shared memory: the
+    stored rows are a copy of the producer's tensor, and a consumer's tensor is not the unit's
+    memory: changing either afterwards changes nothing anyone else reads."""
+    config = tqstream.ClientConfig(shared_memory=mode)
+    client = tqstream.init(client_config=config)
+    try:
+        data = torch.arange(64 * 2048, dtype=torch.float32).reshape(64, 2048)  # 512 KiB
+        expected = data.clone()
+        client.put({"x": data}, "p")
+        data.fill_(-1.0)  # the producer reuses its buffer
+        first = client.get("p", ["x"], batch_size=64, task="a", timeout=10)
+        assert torch.equal(first.data["x"], expected)
+        first.data["x"].fill_(-2.0)  # the consumer writes into what it got
+        second = client.get("p", ["x"], batch_size=64, task="b", timeout=10)
+        assert torch.equal(second.data["x"], expected)
+    finally:
+        client.close()

@@ -402,6 +402,9 @@ class Connection:
         self._closed = False
         self._broken: BaseException | None = None
         self._unsent: list[list[Any]] = []  # requests ZMQ would not take yet (never with HWM 0)
+        # inproc passes buffers by pointer: copy what we send and what we receive, so neither
+        # side's tensors alias the other's memory (what a socket between processes does anyway)
+        self._inproc = address.startswith("inproc://")
         sock = _socket(ctx, zmq.DEALER)
         ivl = max(1, round(heartbeat_interval * 1000))
         events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
@@ -536,7 +539,7 @@ class Connection:
             self._unsent.append(frames)
         else:
             try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=self._inproc)
             except zmq.Again:
                 self._unsent.append(frames)
         self._loop.call_soon(self._guard, self._read)  # a send may consume the fd's edge
@@ -579,7 +582,7 @@ class Connection:
             if self._unsent and events & zmq.POLLOUT:
                 with contextlib.suppress(zmq.Again):
                     while self._unsent:
-                        sock.send_multipart(self._unsent[0], zmq.NOBLOCK, copy=False)
+                        sock.send_multipart(self._unsent[0], zmq.NOBLOCK, copy=self._inproc)
                         self._unsent.pop(0)
             if not events & zmq.POLLIN:
                 return
@@ -597,6 +600,8 @@ class Connection:
                 continue  # without a known rid nobody waits for it
             entry = self._pending.get(reply.rid)
             if entry is not None and not entry[0].done():  # else: late (timed out) or unknown
+                if self._inproc and len(frames) > 1:  # they may alias the server's memory
+                    frames[1:] = [bytearray(f.buffer) for f in frames[1:]]
                 entry[0].set_result((reply, frames))
 
     def _watch(self) -> None:
