@@ -586,7 +586,7 @@ class Connection:
                         self._unsent.pop(0)
             if not events & zmq.POLLIN:
                 return
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             header = frames[0].buffer
             try:
                 reply = decode_reply(header)
