@@ -6,6 +6,7 @@ the next unit after its owner died."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import os
@@ -150,12 +151,29 @@ def assert_rows(data: Any, expected: dict[str, Any]) -> None:
     assert data["prompt"].tolist() == expected["prompt"]
 
 
+@contextlib.contextmanager
+def same_host(
+    storage_units: int = 1, config: tqstream.ClientConfig | None = None
+) -> Iterator[tuple[Client, Client]]:
+    """(owner, client): an embedded cluster and a client connected to it over TCP — another
+    connection on the same host, which shares the units' memory (the owner itself reaches its
+    servers in-process, over inproc, where bytes go as frames)."""
+    owner = tqstream.init(storage_units=storage_units)
+    try:
+        client = tqstream.connect(owner.address, config)
+        try:
+            yield owner, client
+        finally:
+            client.close()
+    finally:
+        owner.close()
+
+
 @pytest.fixture
 def embedded() -> Iterator[Client]:
-    """An embedded cluster of one storage unit, shared memory on (the default)."""
-    client = tqstream.init(storage_units=1)
-    yield client
-    client.close()
+    """A same-host client of a one-unit embedded cluster, shared memory on (the default)."""
+    with same_host() as (_, client):
+        yield client
 
 
 # --- data paths ----------------------------------------------------------------------------------
@@ -185,10 +203,23 @@ def test_put_fields_go_through_shared_memory(embedded: Client) -> None:
     assert in_chunk_segment(batch.data["y"], token)
 
 
+def test_in_process_client_uses_frames() -> None:
+    """The embedded cluster's own client reaches its unit in-process: bytes go as frames (two
+    memcpys), never through a segment, with shared memory on."""
+    client = tqstream.init()
+    try:
+        token = token_of(client)
+        data = rows(12)
+        client.put(data, "p")
+        assert segments(token, "c") == set() and not client._core._shm
+        assert_rows(client.get("p", list(data), batch_size=12, task="t", timeout=5).data, data)
+    finally:
+        client.close()
+
+
 def test_shared_memory_off_uses_frames_only() -> None:
     """With shared_memory="off" the same data round-trips and no chunk segment is created."""
-    client = tqstream.init(client_config=tqstream.ClientConfig(shared_memory="off"))
-    try:
+    with same_host(config=tqstream.ClientConfig(shared_memory="off")) as (_, client):
         token = token_of(client)
         assert token and segments(token, "probe"), "the unit offers shared memory"
         data = rows(12)
@@ -199,8 +230,6 @@ def test_shared_memory_off_uses_frames_only() -> None:
         assert not client._core._shm
         assert "tqs-" not in mapping_of(batch.data["ids"])[1]
         assert segments(token, "c") == segments(token, "g") == set()
-    finally:
-        client.close()
 
 
 def test_view_outlives_cleared_rows_and_is_reclaimed(embedded: Client) -> None:
@@ -266,8 +295,7 @@ def test_small_gather_goes_as_frames(embedded: Client) -> None:
 
 def test_two_units_each_share_their_own_segments() -> None:
     """With two units each has its own token and segments; a get spanning both is right."""
-    client = tqstream.init(storage_units=2)
-    try:
+    with same_host(storage_units=2) as (_, client):
         parts = [torch.arange(12) + 12 * i for i in range(3)]
         units = {u for x in parts for u in client.put({"x": x}, "p").units}
         assert units == {0, 1}
@@ -276,8 +304,6 @@ def test_two_units_each_share_their_own_segments() -> None:
         assert all(segments(token, "c") for token in tokens.values())
         got = client.get("p", "x", batch_size=36, task="t", timeout=5).data["x"]
         assert torch.equal(got, torch.cat(parts))
-    finally:
-        client.close()
     assert all(segments(token) == set() for token in tokens.values())
 
 
@@ -344,15 +370,14 @@ def test_process_cluster_uses_shared_memory_and_cleans_up() -> None:
 
 
 def test_close_removes_every_segment_of_the_unit() -> None:
-    """Closing an embedded client stops its unit, which unlinks its probe and live chunks."""
-    client = tqstream.init()
-    try:
+    """Closing an embedded cluster stops its unit, which unlinks its probe and live chunks."""
+    with same_host() as (owner, client):
         client.put({"x": torch.arange(100)}, "p")
         token = client._core._shm[0]
         assert segments(token, "c") and segments(token, "probe")
-    finally:
         client.close()
-    assert segments(token) == set()
+        owner.close()
+        assert segments(token) == set()
 
 
 def test_full_dev_shm_put_falls_back_to_frames(
