@@ -1,0 +1,599 @@
+"""One adapter per system, all with the same round-trip interface.
+
+A round trip is ``put(data) -> handle``, ``get(handle) -> {field: tensor}`` (usable torch tensors
+on the consumer side) and ``done(handle)`` (ack / clear: the system no longer holds the rows).
+``prepare(batch)`` turns a workload batch into the system's native input outside the timed region.
+Systems with consumer-task semantics (every task reads every row once) also implement
+:class:`TaskSystem`, used by the metadata and concurrency scenarios.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from benchmarks._workload import FIELDS, Batch
+
+__all__ = [
+    "SYSTEMS",
+    "System",
+    "TaskSystem",
+    "flatten",
+    "make_system",
+    "missing",
+    "ray_session",
+    "settle",
+]
+
+TASK = "bench"
+WAIT = 120.0  # seconds a consumer waits for rows before the benchmark fails
+Data = Mapping[str, torch.Tensor]
+
+
+class System:
+    """The round-trip interface; subclasses set ``name`` and ``note`` (what is measured)."""
+
+    name: str = ""
+    mode: str = ""  # the variant, e.g. the transport
+    note: str = ""
+    needs: ClassVar[tuple[str, ...]] = ()  # importable packages this system needs
+
+    def start(self) -> None:
+        """Start servers / connect. Called once per session."""
+
+    def close(self) -> None:
+        """Stop what ``start`` started."""
+
+    def begin(self, tag: str) -> None:
+        """Before a scenario's rounds: e.g. create a partition named after ``tag``."""
+
+    def end(self) -> None:
+        """After a scenario's rounds."""
+
+    def prepare(self, batch: Batch) -> Any:
+        """The batch in this system's native input form (not timed)."""
+        return batch.flat()
+
+    def put(self, data: Any) -> Any:
+        raise NotImplementedError
+
+    def get(self, handle: Any) -> Data:
+        raise NotImplementedError
+
+    def done(self, handle: Any) -> None:
+        """Release what the round stored."""
+
+    def held(self) -> int | None:
+        """Rows or bytes still stored (0 after every round), None where it cannot be asked."""
+        return None
+
+    def roundtrip(self, data: Any) -> Data:
+        handle = self.put(data)
+        out = self.get(handle)
+        self.done(handle)
+        return out
+
+
+class TaskSystem(System):
+    """A system with partitions and consumer tasks."""
+
+    max_rows: ClassVar[int | None] = None  # largest partition the metadata scenario may build
+    max_rows_reason: ClassVar[str] = ""
+
+    def create(self, partition: str, tasks: Sequence[str]) -> None:
+        """Create ``partition``; where the system can, rows are freed once ``tasks`` acked."""
+        raise NotImplementedError
+
+    def put_rows(self, partition: str, data: Any) -> None:
+        raise NotImplementedError
+
+    def take(self, partition: str, rows: int, task: str) -> tuple[Data, Any]:
+        """Wait for ``rows`` rows ``task`` has not read; return their data and a token."""
+        raise NotImplementedError
+
+    def ack(self, token: Any) -> None:
+        """``task`` is done with the rows of ``token``."""
+
+    def clear(self, token: Any) -> None:
+        """Delete the rows of ``token`` for every task and free their bytes."""
+        raise NotImplementedError
+
+    def consume(self, partition: str, rows: int, task: str) -> None:
+        """Mark ``rows`` rows read by ``task`` without fetching their data (setup only)."""
+        raise NotImplementedError
+
+    def drop(self, partition: str) -> None:
+        raise NotImplementedError
+
+    def rows(self, partition: str) -> int:
+        """Rows the partition holds."""
+        raise NotImplementedError
+
+
+def restore(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Undo :meth:`Batch.flat`: ``<name>`` + ``<name>.offsets`` become a jagged nested tensor."""
+    out = {}
+    for name in FIELDS:
+        offsets = flat.get(f"{name}.offsets")
+        out[name] = (
+            flat[name]
+            if offsets is None
+            else torch.nested.nested_tensor_from_jagged(flat[name], offsets)
+        )
+    return out
+
+
+def flatten(value: Any) -> torch.Tensor:
+    """A field's values back to back, whatever form it came in (dense, nested, list)."""
+    if isinstance(value, list):
+        return torch.cat([t.reshape(-1) for t in value])
+    if value.is_nested:
+        return value.values().reshape(-1)
+    return value.reshape(-1)
+
+
+# --- in-memory limit ----------------------------------------------------------------------------
+class Memcpy(System):
+    name = "memcpy"
+    note = (
+        "two memcpys (put: copy into a preallocated buffer, get: copy out into another); the "
+        "in-memory limit"
+    )
+
+    def prepare(self, batch: Batch) -> Any:
+        flat = batch.flat()
+        store = {k: torch.empty_like(v) for k, v in flat.items()}
+        out = {k: torch.empty_like(v) for k, v in flat.items()}
+        return flat, store, out
+
+    def put(self, data: Any) -> Any:
+        flat, store, out = data
+        for k, v in flat.items():
+            store[k].copy_(v)
+        return store, out
+
+    def get(self, handle: Any) -> Data:
+        store, out = handle
+        for k, v in store.items():
+            out[k].copy_(v)
+        return restore(out)
+
+
+# --- raw pyzmq ----------------------------------------------------------------------------------
+_DTYPES = {str(dt).removeprefix("torch."): dt for dt in (torch.int64, torch.int32, torch.bool)}
+_DTYPES["float32"] = torch.float32
+
+
+class RawZmq(System):
+    """A DEALER client and a ROUTER store process holding the received frames."""
+
+    note = (
+        "raw pyzmq, zero-copy frames: one store process holds each put's frames; get sends "
+        "them back and the client wraps them with torch.frombuffer; del drops them. No metadata "
+        "service, no tasks: the floor for a store in another process. Ragged fields as values "
+        "+ offsets"
+    )
+
+    def __init__(self, transport: str) -> None:
+        self.transport = transport
+        self.name = f"zmq-{transport}"
+        self.mode = transport
+        self._keys = itertools.count()
+
+    def start(self) -> None:
+        import zmq
+
+        self._dir = tempfile.mkdtemp(prefix="tqbench-")
+        address = f"ipc://{self._dir}/store" if self.transport == "ipc" else "tcp://127.0.0.1:*"
+        script = Path(__file__).with_name("_zmq_store.py")
+        self._proc = subprocess.Popen(
+            [sys.executable, str(script), address], stdout=subprocess.PIPE, text=True
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline().split()
+        if not line or line[0] != "READY":
+            raise RuntimeError(f"zmq store did not start (exit code {self._proc.poll()})")
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(line[1])
+
+    def close(self) -> None:
+        if hasattr(self, "_sock"):
+            self._sock.send_multipart([b"stop"])
+            self._sock.recv()
+            self._sock.close()
+            self._ctx.term()
+        if hasattr(self, "_proc"):
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
+        if hasattr(self, "_dir"):
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def put(self, data: Any) -> Any:
+        flat: dict[str, torch.Tensor] = data
+        header = json.dumps(
+            [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in flat.items()]
+        ).encode()
+        key = str(next(self._keys)).encode()
+        buffers = [v.view(torch.uint8).numpy().data for v in flat.values()]
+        self._sock.send_multipart([b"put", key, header, *buffers], copy=False)
+        if self._sock.recv() != b"ok":
+            raise RuntimeError("zmq store refused a put")
+        return key
+
+    def get(self, handle: Any) -> Data:
+        self._sock.send_multipart([b"get", handle])
+        header, *frames = self._sock.recv_multipart(copy=False)
+        flat = {}
+        with warnings.catch_warnings():  # frames are read-only; so are the tensors on them
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            for (name, dtype, shape), frame in zip(json.loads(header.bytes), frames, strict=True):
+                flat[name] = torch.frombuffer(frame.buffer, dtype=_DTYPES[dtype]).view(shape)
+        return restore(flat)
+
+    def done(self, handle: Any) -> None:
+        self._sock.send_multipart([b"del", handle])
+        self._sock.recv()
+
+    def held(self) -> int | None:
+        self._sock.send_multipart([b"len"])
+        return int(self._sock.recv())
+
+
+# --- Ray ------------------------------------------------------------------------------------------
+RAY_CPUS = 4
+
+
+def ray_session() -> Any:
+    """Start a local Ray on loopback (once per session) and return the ``ray`` module."""
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")
+        # TransferQueue sets torch's thread count around its puts and gets: the same as ours
+        os.environ.setdefault("TQ_NUM_THREADS", str(torch.get_num_threads()))
+        ray.init(
+            address="local",
+            num_cpus=RAY_CPUS,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
+    return ray
+
+
+class RayObjectStore(System):
+    name = "ray-object-store"
+    needs = ("ray",)
+    note = (
+        "ray.put of the dict of tensors in the driver, ray.get in the same driver (the object "
+        "goes into the raylet's shared-memory object store; get maps it and deserializes), then "
+        "the reference is dropped; no metadata service, no tasks. Ragged fields as values + "
+        "offsets"
+    )
+
+    def start(self) -> None:
+        self.ray = ray_session()
+
+    def put(self, data: Any) -> Any:
+        return self.ray.put(data)
+
+    def get(self, handle: Any) -> Data:
+        return restore(self.ray.get(handle))
+
+
+class RayActorQueue(System):
+    name = "ray-actor-queue"
+    needs = ("ray",)
+    note = (
+        "a Ray actor holding a deque (the former verl MessageQueue pattern): "
+        "ray.get(queue.put.remote(batch)), then ray.get(queue.get.remote()); torch tensors "
+        "travel through Ray's serializer and object store both ways"
+    )
+
+    def start(self) -> None:
+        ray = ray_session()
+
+        class Queue:
+            def __init__(self) -> None:
+                from collections import deque
+
+                self.items: Any = deque()
+
+            def put(self, item: Any) -> None:
+                self.items.append(item)
+
+            def get(self) -> Any:
+                return self.items.popleft()
+
+            def size(self) -> int:
+                return len(self.items)
+
+        self.ray = ray
+        self.queue = ray.remote(num_cpus=1)(Queue).remote()
+        ray.get(self.queue.size.remote())
+
+    def close(self) -> None:
+        if hasattr(self, "queue"):
+            self.ray.kill(self.queue)
+
+    def put(self, data: Any) -> Any:
+        self.ray.get(self.queue.put.remote(data))
+
+    def get(self, handle: Any) -> Data:
+        return restore(self.ray.get(self.queue.get.remote()))
+
+    def held(self) -> int | None:
+        return int(self.ray.get(self.queue.size.remote()))
+
+
+# --- tqstream -------------------------------------------------------------------------------------
+class TQStream(TaskSystem):
+    """tqstream, embedded (controller + 1 storage unit in this process) or as processes."""
+
+    def __init__(self, name: str, deployment: str, shared_memory: str) -> None:
+        self.name = name
+        self.deployment = deployment
+        self.shared_memory = shared_memory
+        self.mode = f"{deployment}, shared_memory={shared_memory}"
+        self.partition = ""
+        where = (
+            "embedded: controller + 1 storage unit on a thread of the benchmark process"
+            if deployment == "embedded"
+            else "ProcessCluster: controller + 1 storage unit as child processes"
+        )
+        self.note = (
+            f"tqstream {where}, ClientConfig(shared_memory={shared_memory!r}); put, get with a "
+            f"consumer task (lease + fetch), ack; the partition registers the task, so the ack "
+            f"frees the rows"
+        )
+
+    def start(self) -> None:
+        import tqstream
+
+        config = tqstream.ClientConfig(shared_memory=self.shared_memory)
+        if self.deployment == "embedded":
+            self.client = tqstream.init(storage_units=1, client_config=config)
+        else:
+            self.cluster = tqstream.ProcessCluster(storage_units=1)
+            self.client = tqstream.connect(self.cluster.address, config=config)
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        if hasattr(self, "cluster"):
+            self.cluster.close()
+
+    def begin(self, tag: str) -> None:
+        self.partition = tag
+        self.create(tag, [TASK])
+
+    def end(self) -> None:
+        self.drop(self.partition)
+
+    def prepare(self, batch: Batch) -> Any:
+        return batch.fields
+
+    def put(self, data: Any) -> Any:
+        return len(self.client.put(data, self.partition))
+
+    def get(self, handle: Any) -> Data:
+        data, self._lease = self.take(self.partition, handle, TASK)
+        return data
+
+    def done(self, handle: Any) -> None:
+        self.client.ack(self._lease)
+
+    def held(self) -> int | None:
+        return sum(unit.bytes for unit in self.client.stats().units)
+
+    def create(self, partition: str, tasks: Sequence[str]) -> None:
+        self.client.create_partition(partition, FIELDS, tasks=list(tasks))
+
+    def put_rows(self, partition: str, data: Any) -> None:
+        self.client.put(data, partition)
+
+    def take(self, partition: str, rows: int, task: str) -> tuple[Data, Any]:
+        batch = self.client.get(partition, FIELDS, batch_size=rows, task=task, timeout=WAIT)
+        return batch.data, batch.meta
+
+    def ack(self, token: Any) -> None:
+        self.client.ack(token)
+
+    def clear(self, token: Any) -> None:
+        self.client.clear_samples(token)
+
+    def consume(self, partition: str, rows: int, task: str) -> None:
+        self.client.ack(self.client.get_meta(partition, FIELDS, rows, task, timeout=WAIT))
+
+    def drop(self, partition: str) -> None:
+        self.client.clear_partition(partition)
+
+    def rows(self, partition: str) -> int:
+        return self.client.stats(partition).partitions[partition].rows
+
+
+# --- TransferQueue --------------------------------------------------------------------------------
+TQ_POLL = 0.002  # seconds between a TransferQueue consumer's polls while too few rows are ready
+
+
+class TransferQueue(TaskSystem):
+    name = "transferqueue"
+    needs = ("ray", "transfer_queue")
+    note = (
+        "TransferQueue (SimpleStorage backend): controller + 1 storage unit as Ray actors on "
+        "loopback; put(TensorDict), get_meta with a task + get_data, clear_samples. Its "
+        "controller runs in polling mode (a get_meta with too few rows ready returns an empty "
+        f"batch; the consumer polls every {TQ_POLL * 1000:.0f} ms) because a blocking get_meta "
+        "stalls the whole controller. get_data returns nested (jagged) tensors, dense fields "
+        "included"
+    )
+    max_rows = 10**6
+    max_rows_reason = (
+        "filling 10^6 rows already takes ~30 s and ~5 GB in its actors on 2 cores (a Python "
+        "object per row and field); larger partitions are not measured"
+    )
+
+    def start(self) -> None:
+        ray_session()
+        import transfer_queue as tq
+        from omegaconf import OmegaConf
+
+        self.tq = tq
+        conf = {
+            "controller": {"polling_mode": True},
+            "backend": {"SimpleStorage": {"num_data_storage_units": 1}},
+        }
+        tq.init(OmegaConf.create(conf))
+        self.client = tq.get_client()
+        self.partition = ""
+
+    def close(self) -> None:
+        if hasattr(self, "tq"):
+            self.tq.close()
+
+    def begin(self, tag: str) -> None:
+        self.partition = tag
+
+    def end(self) -> None:
+        self.drop(self.partition)
+
+    def prepare(self, batch: Batch) -> Any:
+        from tensordict import TensorDict
+
+        return TensorDict(batch.jagged(), batch_size=[batch.rows])
+
+    def put(self, data: Any) -> Any:
+        self.client.put(data=data, partition_id=self.partition)
+        return int(data.batch_size[0])
+
+    def get(self, handle: Any) -> Data:
+        data, self._meta = self.take(self.partition, handle, TASK)
+        return data
+
+    def done(self, handle: Any) -> None:
+        self.client.clear_samples(self._meta)
+
+    def held(self) -> int | None:
+        return self.rows(self.partition)
+
+    def create(self, partition: str, tasks: Sequence[str]) -> None:
+        """Partitions are created by their first put; consumption is tracked per task name."""
+
+    def put_rows(self, partition: str, data: Any) -> None:
+        self.client.put(data=data, partition_id=partition)
+
+    def take(self, partition: str, rows: int, task: str) -> tuple[Data, Any]:
+        deadline = time.monotonic() + WAIT
+        while True:
+            meta = self.client.get_meta(
+                data_fields=list(FIELDS), batch_size=rows, partition_id=partition, task_name=task
+            )
+            if meta.size:
+                return self.client.get_data(meta), meta
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{rows} rows of {partition!r} not ready for {task!r}")
+            time.sleep(TQ_POLL)
+
+    def clear(self, token: Any) -> None:
+        self.client.clear_samples(token)
+
+    def consume(self, partition: str, rows: int, task: str) -> None:
+        meta = self.client.get_meta(
+            data_fields=list(FIELDS), batch_size=rows, partition_id=partition, task_name=task
+        )
+        if meta.size != rows:
+            raise RuntimeError(f"consumed {meta.size} of {rows} rows")
+
+    def drop(self, partition: str) -> None:
+        if partition in self.client.get_partition_list():
+            self.client.clear_partition(partition)
+
+    def rows(self, partition: str) -> int:
+        _, status = self.client.get_production_status(list(FIELDS), partition)
+        if status is None or status.numel() == 0:
+            return 0
+        return int(status.reshape(status.shape[0], -1).all(dim=1).sum())
+
+
+# --- registry -------------------------------------------------------------------------------------
+SYSTEMS = (
+    "tqstream-embedded",
+    "tqstream-procs-tcp",
+    "tqstream-procs-shm",
+    "memcpy",
+    "zmq-ipc",
+    "zmq-tcp",
+    "ray-object-store",
+    "ray-actor-queue",
+    "transferqueue",
+)
+
+
+def make_system(name: str) -> System:
+    if name == "tqstream-embedded":
+        return TQStream(name, "embedded", "auto")
+    if name == "tqstream-procs-shm":
+        return TQStream(name, "procs", "auto")
+    if name == "tqstream-procs-tcp":
+        return TQStream(name, "procs", "off")
+    if name == "memcpy":
+        return Memcpy()
+    if name in ("zmq-ipc", "zmq-tcp"):
+        return RawZmq(name.removeprefix("zmq-"))
+    if name == "ray-object-store":
+        return RayObjectStore()
+    if name == "ray-actor-queue":
+        return RayActorQueue()
+    if name == "transferqueue":
+        return TransferQueue()
+    raise KeyError(name)
+
+
+def settle(limit: float = 15.0, idle: float = 0.8) -> None:
+    """Wait, up to ``limit`` seconds, until the CPUs are at least ``idle`` idle over half a second:
+    servers and Ray workers that just started may still be importing, which would skew the first
+    scenario measured."""
+
+    def ticks() -> list[int]:  # the "cpu" line: user nice system idle iowait ...
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+    try:
+        prev = ticks()
+    except (OSError, ValueError):
+        time.sleep(1.0)
+        return
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        cur = ticks()
+        delta = [c - p for c, p in zip(cur, prev, strict=True)]
+        if sum(delta) and (delta[3] + delta[4]) / sum(delta) >= idle:
+            return
+        prev = cur
+
+
+def missing(system: System) -> str | None:
+    """The first package ``system`` needs that is not installed."""
+    return next((p for p in system.needs if importlib.util.find_spec(p) is None), None)

@@ -1,0 +1,21 @@
+"""The benchmark suite (benchmarks/) runs end to end at its smallest sizes: one round of every
+scenario against every system whose packages are installed (the others skip inside the run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_benchmark_suite_runs() -> None:
+    cmd = [
+        sys.executable, "-m", "pytest", "benchmarks", "--bench-quick", "--benchmark-disable",
+        "-q", "-p", "no:cacheprovider",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    )
