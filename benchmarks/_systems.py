@@ -359,9 +359,11 @@ class TQStream(TaskSystem):
         self.mode = f"{deployment}, shared_memory={shared_memory}"
         self.partition = ""
         where = (
-            "embedded: controller + 1 storage unit on a thread of the benchmark process"
+            "embedded: controller + 1 storage unit on the benchmark process's loop thread, reached "
+            "over inproc:// (bytes as frames, one memcpy each way)"
             if deployment == "embedded"
             else "ProcessCluster: controller + 1 storage unit as child processes"
+            + (", bytes through /dev/shm" if shared_memory == "auto" else ", bytes over TCP")
         )
         self.note = (
             f"tqstream {where}, ClientConfig(shared_memory={shared_memory!r}); put, get with a "

@@ -40,6 +40,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 T = TypeVar("T")
+EVERY_SIZE = tqstream.ClientConfig(shared_memory_min_bytes=0)
+"""Shared memory for chunks of any size (by default small chunks go as frames)."""
 GATHER_ROWS = 3 * shm.GATHER_SEGMENT_BYTES // (2 * 1024 * 4)
 """Rows of float32[1024] that make 1.5 times the size from which gathered rows use a segment."""
 RAW_CHUNK = 1 << 40  # chunk ids far above any the controller assigns in these tests
@@ -160,7 +162,7 @@ def same_host(
     servers in-process, over inproc, where bytes go as frames)."""
     owner = tqstream.init(storage_units=storage_units)
     try:
-        client = tqstream.connect(owner.address, config)
+        client = tqstream.connect(owner.address, config or EVERY_SIZE)
         try:
             yield owner, client
         finally:
@@ -334,6 +336,7 @@ def test_clients_with_and_without_shared_memory_share_rows(embedded: Client) -> 
     """Rows put through frames are read through shared memory and the other way round; a large
     read of a chunk stored as frames comes through a gather segment that is unlinked."""
     framed = tqstream.connect(embedded.address, tqstream.ClientConfig(shared_memory="off"))
+
     try:
         big = torch.randn(GATHER_ROWS, 1024)
         framed.put({"x": big}, "a")
@@ -354,7 +357,7 @@ def test_process_cluster_uses_shared_memory_and_cleans_up() -> None:
     """With storage in another process, the got tensors still map the unit's chunk segment, and
     stopping the cluster leaves none of the unit's names behind."""
     with tqstream.ProcessCluster(storage_units=1) as cluster:
-        client = tqstream.connect(cluster.address)
+        client = tqstream.connect(cluster.address, EVERY_SIZE)
         try:
             data = rows(10)
             client.put(data, "p")
@@ -573,7 +576,7 @@ def test_segments_of_a_killed_unit_are_swept_by_the_next_unit() -> None:
     the host removes them."""
     with (
         tqstream.ProcessCluster(storage_units=1) as cluster,
-        tqstream.connect(cluster.address) as client,
+        tqstream.connect(cluster.address, EVERY_SIZE) as client,
     ):
         client.put({"x": torch.arange(1000)}, "p")
         token = client._core._shm[0]
@@ -629,3 +632,20 @@ def test_put_and_get_never_alias_the_callers_memory(mode: str) -> None:
         assert torch.equal(second.data["x"], expected)
     finally:
         client.close()
+
+
+def test_chunks_below_the_threshold_go_as_frames() -> None:
+    """With the default shared_memory_min_bytes a small chunk is put as frames and a chunk at the
+    threshold through a segment; both read back right."""
+    small, big = torch.arange(1000), torch.randn(tqstream.ClientConfig.shared_memory_min_bytes // 4)
+    with same_host(config=tqstream.ClientConfig()) as (_, client):
+        token = token_of(client)
+        client.put({"x": small}, "a")
+        assert segments(token, "c") == set()
+        client.put({"y": big.reshape(-1, 1024)}, "b")
+        assert len(segments(token, "c")) == 1
+        assert torch.equal(
+            client.get("a", "x", batch_size=1000, task="t", timeout=5).data["x"], small
+        )
+        got = client.get("b", "y", batch_size=big.numel() // 1024, task="t", timeout=5).data["y"]
+        assert torch.equal(got.reshape(-1), big)

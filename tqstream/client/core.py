@@ -62,13 +62,19 @@ GET_GRACE = 10.0
 
 
 def _store_message(
-    partition: str, chunk: int, row_ids: list[int], columns: Mapping[str, Column], token: str
+    partition: str,
+    chunk: int,
+    row_ids: list[int],
+    columns: Mapping[str, Column],
+    token: str,
+    min_shared: int,
 ) -> tuple[Store, list[memoryview]]:
     """The Store of one chunk: tensor bytes as frames, or written to the unit's shared memory
-    when ``token`` names a reachable unit (and /dev/shm has room)."""
+    when ``token`` names a reachable unit, the chunk has ``min_shared`` bytes or more, and
+    /dev/shm has room."""
     refs, buffers = columns_to_wire(columns)
     msg = Store(rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs)
-    if token and buffers:
+    if token and buffers and sum(memoryview(b).nbytes for b in buffers) >= min_shared:
         try:
             regions = shm.write_segment(shm.chunk_segment(token, chunk), buffers)
         except OSError:
@@ -221,7 +227,8 @@ class ClientCore:
                 part = {k: c.slice(seg.start, seg.stop) for k, c in columns.items()}
                 conn = await self._unit(seg.unit)
                 rows = plan.row_ids[seg.start : seg.stop]
-                msg, bufs = _store_message(partition, seg.chunk, rows, part, self._token(seg.unit))
+                token, least = self._token(seg.unit), self.config.shared_memory_min_bytes
+                msg, bufs = _store_message(partition, seg.chunk, rows, part, token, least)
                 jobs.append(self._ask(msg, Ok, conn=conn, buffers=bufs))
             await asyncio.gather(*jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
@@ -255,7 +262,8 @@ class ClientCore:
                 rows = [meta.row_ids[i] for i in pos]
                 conn = await self._unit(seg.unit)
                 token = self._token(seg.unit)
-                msg, bufs = _store_message(meta.partition, seg.chunk, rows, part, token)
+                least = self.config.shared_memory_min_bytes
+                msg, bufs = _store_message(meta.partition, seg.chunk, rows, part, token, least)
                 jobs.append(self._ask(msg, Ok, conn=conn, buffers=bufs))
             await asyncio.gather(*jobs)
             await self._ask(CommitPut(rid=0, put_id=plan.put_id), Ok)
