@@ -49,9 +49,14 @@ RAW_CHUNK = 1 << 40  # chunk ids far above any the controller assigns in these t
 
 # --- helpers -------------------------------------------------------------------------------------
 def segments(token: str, kind: str = "") -> set[str]:
-    """Names under /dev/shm of ``token``'s segments (``kind``: "c", "g", "probe" or all)."""
+    """Names under /dev/shm of ``token``'s segments (``kind``: "c", "g", "p" (spares), "probe"
+    or all)."""
     prefix = f"tqs-{token}-{kind}"
-    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(prefix)}
+    return {
+        name
+        for name in os.listdir(shm.SHM_DIR)
+        if name.startswith(prefix) and (kind != "p" or name[len(prefix) :].isdigit())
+    }
 
 
 def maps() -> list[tuple[int, int, str, str]]:
@@ -235,8 +240,9 @@ def test_shared_memory_off_uses_frames_only() -> None:
 
 
 def test_view_outlives_cleared_rows_and_is_reclaimed(embedded: Client) -> None:
-    """A got tensor stays readable after its rows are cleared (the segment's name is gone, its
-    pages are not); once the tensor is garbage the mapping is gone too."""
+    """A got tensor stays readable after its rows are cleared (the chunk's name is gone: the
+    segment is now a spare, or unlinked; its pages stay); once the tensor is garbage this process
+    maps it no more."""
     x = torch.arange(4096, dtype=torch.float64).reshape(64, 64)
     embedded.put({"x": x}, "p")
     token = embedded._core._shm[0]
@@ -248,10 +254,11 @@ def test_view_outlives_cleared_rows_and_is_reclaimed(embedded: Client) -> None:
     embedded.clear_partition("p")
     assert name not in os.listdir(shm.SHM_DIR)
     assert torch.equal(got, x)
-    assert mapping_of(got)[1] == f"{shm.SHM_DIR}/{name} (deleted)"
+    spare = os.path.basename(mapping_of(got)[1].removesuffix(" (deleted)"))
+    assert spare == name or spare.startswith(f"tqs-{token}-p"), spare
     del batch, got
     gc.collect()
-    assert mapped(name) == []
+    assert mapped(name) == mapped(spare) == []
 
 
 def test_writing_a_got_tensor_does_not_change_stored_rows(embedded: Client) -> None:
@@ -388,7 +395,7 @@ def test_full_dev_shm_put_falls_back_to_frames(
 ) -> None:
     """A put whose segment cannot be written (/dev/shm full) is sent as frames instead."""
 
-    def full(name: str, buffers: Any) -> list[Region]:
+    def full(name: str, buffers: Any, reuse: bool = False) -> list[Region]:
         raise OSError(errno.ENOSPC, "No space left on device", name)
 
     monkeypatch.setattr(shm, "write_segment", full)
@@ -408,7 +415,7 @@ def test_full_dev_shm_large_gather_falls_back_to_frames(
     embedded.put({"x": a}, "p")
     embedded.put({"x": b}, "p")
 
-    def full(name: str, buffers: Any) -> list[Region]:
+    def full(name: str, buffers: Any, reuse: bool = False) -> list[Region]:
         raise OSError(errno.ENOSPC, "No space left on device", name)
 
     monkeypatch.setattr(shm, "write_segment", full)
@@ -649,3 +656,38 @@ def test_chunks_below_the_threshold_go_as_frames() -> None:
         )
         got = client.get("b", "y", batch_size=big.numel() // 1024, task="t", timeout=5).data["y"]
         assert torch.equal(got.reshape(-1), big)
+
+
+def _inodes(token: str, kind: str) -> dict[int, str]:
+    return {os.stat(f"{shm.SHM_DIR}/{n}").st_ino: n for n in segments(token, kind)}
+
+
+def test_dropped_segment_is_reused_only_when_nobody_maps_it() -> None:
+    """A dropped chunk's segment becomes a spare; the next put writes into it only once no reader
+    maps it any more: a consumer still holding views keeps its data, whatever is put next."""
+    first, second, third = (torch.full((256, 1024), float(i)) for i in range(3))
+    with same_host() as (_, client):
+        client.put({"x": first}, "p")
+        token = client._core._shm[0]
+        held = client.get("p", "x", batch_size=256, task="t", timeout=5).data["x"]
+        held_inode = os.stat(mapped_path(held)).st_ino
+        client.clear_partition("p")
+        assert segments(token, "c") == set() and len(segments(token, "p")) == 1
+        client.put({"x": second}, "p")  # the spare is still mapped by `held`: not offered
+        assert held_inode not in _inodes(token, "c")
+        got = client.get("p", "x", batch_size=256, task="t", timeout=5).data["x"]
+        assert torch.equal(held, first) and torch.equal(got, second)
+        del held, got
+        gc.collect()
+        client.clear_partition("p")
+        spares = _inodes(token, "p")
+        client.put({"x": first}, "q")  # a Store reply lists the spares nobody maps any more
+        client.put({"x": third}, "q")  # ... and this put claims one of them
+        assert set(_inodes(token, "c")) & set(spares)
+        got = client.get("q", "x", batch_size=512, task="t", timeout=5).data["x"]
+        assert torch.equal(got, torch.cat([first, third]))
+
+
+def mapped_path(t: torch.Tensor) -> str:
+    """The file behind the mapping holding ``t``, without a " (deleted)" suffix."""
+    return mapping_of(t)[1].removesuffix(" (deleted)")

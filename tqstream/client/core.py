@@ -50,6 +50,7 @@ from tqstream.protocol.messages import (
     PutPlan,
     Region,
     Release,
+    Spare,
     StatsReply,
     Store,
     Welcome,
@@ -68,18 +69,22 @@ def _store_message(
     columns: Mapping[str, Column],
     token: str,
     min_shared: int,
+    spares: list[Spare],
 ) -> tuple[Store, list[memoryview]]:
     """The Store of one chunk: tensor bytes as frames, or written to the unit's shared memory
-    when ``token`` names a reachable unit, the chunk has ``min_shared`` bytes or more, and
-    /dev/shm has room."""
+    (into one of its ``spares`` when one fits) when ``token`` names a reachable unit, the chunk
+    has ``min_shared`` bytes or more, and /dev/shm has room."""
     refs, buffers = columns_to_wire(columns)
     msg = Store(rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs)
     if token and buffers and sum(memoryview(b).nbytes for b in buffers) >= min_shared:
+        name = shm.chunk_segment(token, chunk)
+        reused = shm.claim(spares, name, shm.segment_size(buffers))
+        spares[:] = [s for s in spares if s.name != reused]
         try:
-            regions = shm.write_segment(shm.chunk_segment(token, chunk), buffers)
+            regions = shm.write_segment(name, buffers, reuse=bool(reused))
         except OSError:
             return msg, buffers  # e.g. /dev/shm is full: frames still work
-        return msgspec.structs.replace(msg, shared=regions), []
+        return msgspec.structs.replace(msg, shared=regions, reused=reused), []
     return msg, buffers
 
 
@@ -112,6 +117,7 @@ class ClientCore:
         self.unit_addresses: list[str] = self._addresses(controller.welcome)
         self._units: dict[int, asyncio.Task[Connection]] = {}
         self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
+        self._spares: dict[int, list[Spare]] = {}  # unit -> its recycled segments, last we heard
 
     @classmethod
     async def open(
@@ -228,8 +234,9 @@ class ClientCore:
                 conn = await self._unit(seg.unit)
                 rows = plan.row_ids[seg.start : seg.stop]
                 token, least = self._token(seg.unit), self.config.shared_memory_min_bytes
-                msg, bufs = _store_message(partition, seg.chunk, rows, part, token, least)
-                jobs.append(self._ask(msg, Ok, conn=conn, buffers=bufs))
+                spares = self._spares.setdefault(seg.unit, [])
+                msg, bufs = _store_message(partition, seg.chunk, rows, part, token, least, spares)
+                jobs.append(self._stored(seg.unit, msg, conn, bufs))
             await asyncio.gather(*jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
             meta: BatchMeta = reply.meta
@@ -263,12 +270,20 @@ class ClientCore:
                 conn = await self._unit(seg.unit)
                 token = self._token(seg.unit)
                 least = self.config.shared_memory_min_bytes
-                msg, bufs = _store_message(meta.partition, seg.chunk, rows, part, token, least)
-                jobs.append(self._ask(msg, Ok, conn=conn, buffers=bufs))
+                spares = self._spares.setdefault(seg.unit, [])
+                msg, bufs = _store_message(
+                    meta.partition, seg.chunk, rows, part, token, least, spares
+                )
+                jobs.append(self._stored(seg.unit, msg, conn, bufs))
             await asyncio.gather(*jobs)
             await self._ask(CommitPut(rid=0, put_id=plan.put_id), Ok)
 
         await self._committed(plan.put_id, store())
+
+    async def _stored(self, unit: int, msg: Store, conn: Connection, buffers: list[Any]) -> None:
+        reply: Ok = await self._ask(msg, Ok, conn=conn, buffers=buffers)
+        if msg.shared:
+            self._spares[unit] = list(reply.spare)
 
     async def _committed(self, put_id: int, work: Any) -> Any:
         """Run the store+commit phase; on any failure roll the put back before re-raising."""

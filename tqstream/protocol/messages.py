@@ -34,6 +34,13 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
+class Spare(msgspec.Struct, frozen=True, array_like=True):
+    """A recycled shared-memory segment of ``nbytes`` a client may claim for its next chunk."""
+
+    name: str
+    nbytes: int
+
+
 class ColumnRef(msgspec.Struct, frozen=True):
     """One column of a chunk: ``values`` is ``[n, *shape]`` (dense) or ``[sum L_i, *shape]`` with
     ``offsets`` ``int64[n + 1]`` (ragged, and object columns as Arrow large-binary bytes)."""
@@ -181,6 +188,7 @@ class Store(_Msg, frozen=True, tag="store"):
     row_ids: list[int]
     columns: list[ColumnRef]
     shared: list[Region] = []  # frames 1..n are in shared memory instead of attached
+    reused: str = ""  # the spare segment the client claimed (renamed) for this chunk
 
 
 class Fetch(_Msg, frozen=True, tag="fetch"):
@@ -282,6 +290,7 @@ Request = (
 # --- replies ---
 class Ok(_Msg, frozen=True, tag="ok"):
     count: int = 0
+    spare: list[Spare] = []  # a storage unit's answer to a shared Store: segments to reuse
 
 
 class ErrorReply(_Msg, frozen=True, tag="error"):

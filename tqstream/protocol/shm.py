@@ -16,12 +16,21 @@ Readers map segments copy-on-write (``MAP_PRIVATE``): tensors are views of the u
 to one touches a private copy of that page only, and the pages stay valid after the unit unlinks the
 name; the kernel frees them when the last view is garbage. Segments of a unit that died without
 cleaning up are removed by the next unit started on the host (its probe names the owner's pid).
+
+Fresh shared pages are expensive (the kernel allocates and zeroes each one), so a dropped chunk's
+segment is renamed ``tqs-<token>-p<n>`` and kept as a spare (a few, bounded in bytes) instead of
+being unlinked. A spare is offered for reuse only once *nobody else has it open or mapped* —
+checked with a write lease, which the kernel grants only then (a reader's mapping keeps the file
+open) — so a consumer's views are never overwritten. The unit lists its free spares in its answer to
+a shared ``Store``; the client's next put claims one by renaming it to its chunk's name (atomic: one
+claimant wins) and writes into pages that already exist.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import mmap
 import os
 import re
@@ -32,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from tqstream.errors import MalformedMessageError, TQStreamError
-from tqstream.protocol.messages import Region
+from tqstream.protocol.messages import Region, Spare
 
 __all__ = [
     "GATHER_SEGMENT_BYTES",
@@ -41,7 +50,9 @@ __all__ = [
     "UnitSegments",
     "available",
     "chunk_segment",
+    "claim",
     "reachable",
+    "segment_size",
     "unlink",
     "write_segment",
 ]
@@ -50,7 +61,11 @@ SHM_DIR = "/dev/shm"
 ALIGN = 64
 GATHER_SEGMENT_BYTES = 1 << 20
 """Gathered fetch data at least this large goes through a fresh segment instead of frames."""
+SPARE_SEGMENTS = 4
+SPARE_BYTES = 1 << 30
+"""At most this many recycled segments, of at most this many bytes in all, wait for reuse."""
 _NAME = re.compile(r"tqs-[0-9a-f]{16}-[cg][0-9]+")
+_NAME_SPARE = re.compile(r"tqs-[0-9a-f]{16}-p[0-9]+")
 
 
 def available() -> bool:
@@ -91,12 +106,32 @@ def _layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, max(end, 1)
 
 
-def write_segment(name: str, buffers: Sequence[Any]) -> list[Region]:
-    """Create segment ``name`` holding ``buffers`` (one copy each); return their regions. On
-    failure (e.g. ``ENOSPC``: /dev/shm is full) nothing is left behind."""
+def segment_size(buffers: Sequence[Any]) -> int:
+    """Bytes of the segment that holds ``buffers``."""
+    return _layout([memoryview(b).nbytes for b in buffers])[1]
+
+
+def claim(spares: Sequence[Spare], name: str, size: int) -> str:
+    """Rename the smallest spare of ``size`` to ``2 * size`` bytes to ``name``; return the spare's
+    name, or "" when none fits or every fitting one was claimed first."""
+    for spare in sorted(spares, key=lambda s: s.nbytes):
+        if size <= spare.nbytes <= 2 * size and _NAME_SPARE.fullmatch(spare.name):
+            try:
+                os.rename(_path(spare.name), _path(name))
+            except OSError:
+                continue
+            return spare.name
+    return ""
+
+
+def write_segment(name: str, buffers: Sequence[Any], reuse: bool = False) -> list[Region]:
+    """Write ``buffers`` (one copy each) into segment ``name``, new or (``reuse``) a claimed spare
+    whose pages exist already; return their regions. On failure (e.g. ``ENOSPC``: /dev/shm is
+    full) nothing is left behind."""
     sizes = [memoryview(b).nbytes for b in buffers]
     offsets, size = _layout(sizes)
-    fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    flags = os.O_RDWR if reuse else os.O_RDWR | os.O_CREAT | os.O_EXCL
+    fd = os.open(_path(name), flags, 0o600)
     try:
         # reserve every page first: a full /dev/shm fails here, not with SIGBUS in a reader
         os.posix_fallocate(fd, 0, size)
@@ -183,8 +218,9 @@ class UnitSegments:
         self.reader = Segments(self.token)
         self._bases: list[int] = []  # sorted start addresses of the mapped chunk segments
         self._spans: dict[int, tuple[int, str]] = {}  # start -> (end, name)
-        self._chunk_names: dict[int, str] = {}
-        self._gathers = 0
+        self._chunk_names: dict[int, tuple[str, int, int]] = {}  # chunk -> (name, start, size)
+        self._spares: dict[str, tuple[int, bool]] = {}  # segment -> (size, free), oldest first
+        self._counter = 0
 
     def adopt(self, chunk: int, regions: Sequence[Region]) -> list[memoryview]:
         """Map the chunk segment a client wrote; the returned views become the chunk's frames."""
@@ -208,22 +244,54 @@ class UnitSegments:
         start = _address(mm)
         self._spans[start] = (start + len(mm), name)
         bisect.insort(self._bases, start)
-        self._chunk_names[chunk] = name
+        self._chunk_names[chunk] = (name, start, len(mm))
         return views
 
+    def claimed(self, spare: str) -> None:
+        """A client renamed ``spare`` for one of its chunks: it is no longer ours to offer."""
+        self._spares.pop(spare, None)
+
     def release(self, chunk: int) -> None:
-        """The chunk was dropped (or never stored): unlink its segment's name; views already
-        handed out keep their pages until they die."""
-        name = self._chunk_names.pop(chunk, None)
-        if name is None:
+        """The chunk was dropped (or never stored). Call it once the chunk's tensors are gone: its
+        segment is recycled if nobody else has it open or mapped, else its name is unlinked
+        (views already handed out keep their pages until they die)."""
+        entry = self._chunk_names.pop(chunk, None)
+        if entry is None:
             unlink(chunk_segment(self.token, chunk))  # written by a client, never adopted
             return
-        for start, (_, n) in list(self._spans.items()):
-            if n == name:
-                del self._spans[start]
-                self._bases.pop(bisect.bisect_left(self._bases, start))
-                break
-        unlink(name)
+        name, start, size = entry
+        del self._spans[start]
+        self._bases.pop(bisect.bisect_left(self._bases, start))
+        if not self._recycle(name, size):
+            unlink(name)
+
+    def _recycle(self, name: str, size: int) -> bool:
+        if size > SPARE_BYTES:
+            return False
+        self._counter += 1
+        spare = f"tqs-{self.token}-p{self._counter}"
+        try:
+            os.rename(_path(name), _path(spare))
+        except OSError:
+            return False
+        self._spares[spare] = (size, False)
+        while len(self._spares) > SPARE_SEGMENTS or sum(s for s, _ in self._spares.values()) > (
+            SPARE_BYTES
+        ):
+            oldest = next(iter(self._spares))
+            unlink(oldest)
+            del self._spares[oldest]
+        return True
+
+    def spares(self) -> list[Spare]:
+        """The recycled segments nobody holds any more (readers may still map the others), minus
+        those a client claimed since."""
+        for name, (size, free) in list(self._spares.items()):
+            if not os.path.exists(_path(name)):
+                del self._spares[name]
+            elif not free and _exclusive(_path(name)):
+                self._spares[name] = (size, True)
+        return [Spare(name, size) for name, (size, free) in self._spares.items() if free]
 
     def region(self, buffer: Any) -> Region | None:
         """Where ``buffer`` lies inside a chunk segment, or None."""
@@ -237,12 +305,29 @@ class UnitSegments:
         return Region(name, addr - start, n) if addr + n <= end else None
 
     def gather_segment(self, buffers: Sequence[Any]) -> list[Region]:
-        self._gathers += 1
-        return write_segment(f"tqs-{self.token}-g{self._gathers}", buffers)
+        self._counter += 1
+        return write_segment(f"tqs-{self.token}-g{self._counter}", buffers)
 
     def close(self) -> None:
         """Unlink every name this unit owns (mapped views stay valid)."""
         _remove_token(self.token)
+
+
+def _exclusive(path: str) -> bool:
+    """Whether no other open file or mapping holds ``path``: the kernel grants a write lease only
+    then (our readers' mappings keep a file open)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _remove_token(token: str) -> None:

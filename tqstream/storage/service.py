@@ -61,6 +61,7 @@ class StorageService:
         self.controller = controller
         self.ctx = ctx or zmq.Context[Any].instance()
         self.segments = shm.UnitSegments() if shm.available() else None
+        self._dropped: list[int] = []
         self.store = ColumnStore(on_release=self._released)
         self.server = Server(
             self.ctx,
@@ -111,8 +112,10 @@ class StorageService:
             self.segments.close()
 
     def _released(self, chunk: int) -> None:
+        """Note the chunk; its segment is recycled or unlinked by ``handle`` once the store's
+        operation returned, so the chunk's tensors are gone (a spare must not be mapped here)."""
         if self.segments is not None:
-            self.segments.release(chunk)
+            self._dropped.append(chunk)
 
     def _store(self, msg: Store, frames: list[Any]) -> Ok:
         if not msg.shared:
@@ -124,6 +127,8 @@ class StorageService:
                 "this storage unit has no shared memory; send the tensors as frames",
                 chunk=msg.chunk,
             )
+        if msg.reused:
+            self.segments.claimed(msg.reused)
         try:
             self.store.check_arrival(msg.partition, msg.chunk)  # before the segment's name is used
             views = [frames[0], *self.segments.adopt(msg.chunk, msg.shared)]
@@ -133,7 +138,7 @@ class StorageService:
             if not self.store.holds(msg.chunk):  # nothing stored: leave no orphan segment either
                 self.segments.release(msg.chunk)
             raise
-        return Ok(rid=msg.rid, count=len(msg.row_ids))
+        return Ok(rid=msg.rid, count=len(msg.row_ids), spare=self.segments.spares())
 
     def _fetch(self, msg: Fetch) -> tuple[Columns, list[Any]]:
         columns = self.store.fetch(msg.partition, msg.row_ids, msg.fields)
@@ -163,6 +168,13 @@ class StorageService:
         return Columns(rid=msg.rid, columns=refs, shared=shared), out
 
     def handle(self, msg: Any, frames: list[Any], responder: Responder) -> Any:
+        try:
+            return self._handle(msg, frames)
+        finally:  # before the answer: a dropped chunk's segment is gone once the drop is answered
+            while self._dropped and self.segments is not None:
+                self.segments.release(self._dropped.pop())
+
+    def _handle(self, msg: Any, frames: list[Any]) -> Any:
         s = self.store
         match msg:
             case Store():
