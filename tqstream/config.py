@@ -59,9 +59,9 @@ class ClientConfig:
     """Tensor bytes to and from a storage unit on this host: ``"auto"`` moves them through shared
     memory when the unit is reachable that way and over ZMQ frames otherwise; ``"off"`` always
     uses ZMQ frames."""
-    shared_memory_min_bytes: int = 8 << 20
-    """Chunks smaller than this are put as frames even when shared memory is available: creating
-    and mapping a segment costs more than sending a small message (docs/benchmarks.md)."""
+    shared_memory_min_bytes: int = 1 << 20
+    """Chunks smaller than this are put as frames even when shared memory is available: for them
+    a message is as fast as mapping a segment (docs/benchmarks.md)."""
 
 
 _C = TypeVar("_C")
