@@ -210,16 +210,21 @@ def test_put_fields_go_through_shared_memory(embedded: Client) -> None:
     assert in_chunk_segment(batch.data["y"], token)
 
 
-def test_in_process_client_uses_frames() -> None:
-    """The embedded cluster's own client reaches its unit in-process: bytes go as frames (two
-    memcpys), never through a segment, with shared memory on."""
+def test_in_process_client_shares_memory_too() -> None:
+    """The embedded cluster's own client (inproc) puts large chunks through a segment as well and
+    gets views of it; small chunks go as frames."""
     client = tqstream.init()
     try:
         token = token_of(client)
-        data = rows(12)
-        client.put(data, "p")
-        assert segments(token, "c") == set() and not client._core._shm
-        assert_rows(client.get("p", list(data), batch_size=12, task="t", timeout=5).data, data)
+        small = rows(12)
+        client.put(small, "p")
+        assert segments(token, "c") == set()
+        assert_rows(client.get("p", list(small), batch_size=12, task="t", timeout=5).data, small)
+        big = torch.randn(512, 1024)
+        client.put({"x": big}, "q")
+        assert len(segments(token, "c")) == 1
+        got = client.get("q", "x", batch_size=512, task="t", timeout=5).data["x"]
+        assert torch.equal(got, big) and in_chunk_segment(got, token)
     finally:
         client.close()
 
@@ -628,7 +633,7 @@ def test_put_and_get_never_alias_the_callers_memory(mode: str) -> None:
     config = tqstream.ClientConfig(shared_memory=mode)
     client = tqstream.init(client_config=config)
     try:
-        data = torch.arange(64 * 2048, dtype=torch.float32).reshape(64, 2048)  # 512 KiB
+        data = torch.arange(64 * 8192, dtype=torch.float32).reshape(64, 8192)  # 2 MiB
         expected = data.clone()
         client.put({"x": data}, "p")
         data.fill_(-1.0)  # the producer reuses its buffer

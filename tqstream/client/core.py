@@ -183,10 +183,7 @@ class ClientCore:
             )
         conn = await self._connect(self.ctx, self.unit_addresses[index], self.config)
         token = conn.welcome.shm
-        # a unit in this very process (inproc) gets frames: two plain memcpys beat writing fresh
-        # shared-memory pages, which the kernel must allocate and zero (see docs/benchmarks.md)
-        local = conn.address.startswith("inproc://")
-        if self.config.shared_memory == "auto" and not local and shm.reachable(token):
+        if self.config.shared_memory == "auto" and shm.reachable(token):
             self._shm[index] = token
         else:
             self._shm.pop(index, None)
