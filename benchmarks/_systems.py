@@ -360,10 +360,14 @@ class TQStream(TaskSystem):
         self.partition = ""
         where = (
             "embedded: controller + 1 storage unit on the benchmark process's loop thread, reached "
-            "over inproc:// (bytes as frames, one memcpy each way)"
+            "over inproc://; chunks of 1 MiB or more through /dev/shm, smaller ones as frames"
             if deployment == "embedded"
             else "ProcessCluster: controller + 1 storage unit as child processes"
-            + (", bytes through /dev/shm" if shared_memory == "auto" else ", bytes over TCP")
+            + (
+                ", chunks of 1 MiB or more through /dev/shm, smaller ones over TCP"
+                if shared_memory == "auto"
+                else ", bytes over TCP"
+            )
         )
         self.note = (
             f"tqstream {where}, ClientConfig(shared_memory={shared_memory!r}); put, get with a "
