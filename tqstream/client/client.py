@@ -465,21 +465,13 @@ class Client:
         ``auto_ack=True`` acks the rows once their data is delivered (at-most-once for this
         task); by default the caller acks after using them (at-least-once).
         """
-        meta = self.get_meta(
-            partition,
-            fields,
-            batch_size,
-            task,
-            whole_groups=whole_groups,
-            lease_timeout=lease_timeout,
-            timeout=timeout,
-            current_version=current_version,
-            max_staleness=max_staleness,
-            measure=measure,
-            on_stale=on_stale,
+        window = Window(current_version, max_staleness, measure, on_stale)
+        req = self._get_request(
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
+        meta, columns = self._sync(self._core.get, req)  # one trip to the IO loop
         try:
-            data = self.get_data(meta, padded=padded, pad_values=pad_values)
+            data = to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
         except BaseException:
             self._release_quietly(meta)
             raise
@@ -505,21 +497,13 @@ class Client:
         measure: str = "head",
         on_stale: str = "keep",
     ) -> Batch:
-        meta = await self.async_get_meta(
-            partition,
-            fields,
-            batch_size,
-            task,
-            whole_groups=whole_groups,
-            lease_timeout=lease_timeout,
-            timeout=timeout,
-            current_version=current_version,
-            max_staleness=max_staleness,
-            measure=measure,
-            on_stale=on_stale,
+        window = Window(current_version, max_staleness, measure, on_stale)
+        req = self._get_request(
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
+        meta, columns = await self._async(self._core.get, req)
         try:
-            data = await self.async_get_data(meta, padded=padded, pad_values=pad_values)
+            data = to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
         except BaseException:
             self._release_quietly(meta)
             raise
@@ -530,7 +514,7 @@ class Client:
     def _release_quietly(self, meta: BatchMeta) -> None:
         """Best effort: if it fails, the lease expires and the rows come back anyway."""
         if not self._closed:
-            self._io.submit(self._core.ack(meta, release=True))
+            self._io.loop.call_soon_threadsafe(self._core.release_soon, meta)
 
     def get_by_keys(
         self,

@@ -118,6 +118,7 @@ class ClientCore:
         self._units: dict[int, asyncio.Task[Connection]] = {}
         self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
         self._spares: dict[int, list[Spare]] = {}  # unit -> its recycled segments, last we heard
+        self._background: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def open(
@@ -300,6 +301,27 @@ class ClientCore:
         timeout = None if req.timeout is None else req.timeout + GET_GRACE
         reply = await self._ask(req, MetaReply, timeout=timeout)
         return reply.meta
+
+    async def get(self, req: GetMeta) -> tuple[BatchMeta, dict[str, Column]]:
+        """``get_meta`` and ``fetch`` in one go; if the fetch fails the lease is released (best
+        effort: otherwise it expires and the rows come back anyway)."""
+        meta = await self.get_meta(req)
+        try:
+            return meta, await self.fetch(meta, list(meta.fields))
+        except BaseException:
+            self.release_soon(meta)
+            raise
+
+    def release_soon(self, meta: BatchMeta) -> None:
+        """Release ``meta``'s lease in the background, ignoring failures (call on the loop)."""
+
+        async def release() -> None:
+            with contextlib.suppress(TQStreamError):
+                await self.ack(meta, release=True)
+
+        task = asyncio.get_running_loop().create_task(release(), name="tqstream-release")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def fetch(self, meta: BatchMeta, fields: list[str]) -> dict[str, Column]:
         """The rows' columns, in batch order; rows held by several units are fetched in parallel."""

@@ -369,7 +369,8 @@ class Server:
         # a ROUTER send never blocks; what goes wrong (a buffer that is not a buffer) raises here,
         # to the code that answered.
         self._sock.send_multipart([identity, encode(msg), *buffers], zmq.NOBLOCK, copy=False)
-        if self._loop is not None:  # a send may consume the fd's edge: look for input again
+        # a send may consume the fd's edge: if input is waiting, the fd will not say so again
+        if self._loop is not None and _events(self._sock) & zmq.POLLIN:
             self._loop.call_soon(self._drain)
 
 
@@ -507,12 +508,12 @@ class Connection:
         self._pending[rid] = (fut, op)
         if self._down:  # queued until ZMQ reconnects: wait for that at most connect_timeout
             self._grace[rid] = loop.call_later(self._connect_timeout, self._unreachable, rid)
+        # a timer, not asyncio.wait_for: no extra task per request
+        timer = None if timeout is None else loop.call_later(timeout, _expire, fut)
         try:
             self._send([header, *buffers])
-            reply, frames = await (fut if timeout is None else asyncio.wait_for(fut, timeout))
-        except asyncio.TimeoutError:
-            if not fut.cancelled():  # a TimeoutError the future failed with, not wait_for's
-                raise
+            reply, frames = await fut
+        except _Expired:
             raise RequestTimeoutError(
                 f"no reply to {op} (request {rid}) from the server at {self.address} within "
                 f"{timeout}s; the server is busy or stuck, or the timeout is too short",
@@ -521,6 +522,8 @@ class Connection:
                 timeout=timeout,
             ) from None
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(rid, None)
             grace = self._grace.pop(rid, None)
             if grace is not None:
@@ -542,7 +545,8 @@ class Connection:
                 self._sock.send_multipart(frames, zmq.NOBLOCK, copy=self._inproc)
             except zmq.Again:
                 self._unsent.append(frames)
-        self._loop.call_soon(self._guard, self._read)  # a send may consume the fd's edge
+        if self._unsent or _events(self._sock) & zmq.POLLIN:  # a send may consume the fd's edge
+            self._loop.call_soon(self._guard, self._read)
 
     async def close(self) -> None:
         """Fail pending requests with ``ClosedError``, stop watching, close the sockets.
@@ -629,6 +633,15 @@ class Connection:
                 what, timeout = f"{op} (request {rid})", self._connect_timeout
                 message = text.format(address=self.address, what=what, timeout=timeout)
                 fut.set_exception(cls(message, address=self.address, op=op, rid=rid))
+
+
+class _Expired(Exception):
+    """A request's own timer fired before its reply came."""
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
 
 
 _LOST = (
