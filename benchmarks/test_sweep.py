@@ -24,6 +24,6 @@ BENCH_SYSTEMS = (
 
 @pytest.mark.parametrize("batch", SWEEP_BATCHES)
 def test_sweep(benchmark: Any, system: System, batch: int) -> None:
-    rounds = max(5, min(50, 2000 // batch))
-    scenario = Scenario("sweep", batch, SWEEP_LENGTH, rounds=rounds, warmup=1)
+    rounds = max(10, min(50, 2000 // batch))
+    scenario = Scenario("sweep", batch, SWEEP_LENGTH, rounds=rounds, warmup=2)
     roundtrip(benchmark, system, scenario.sized(), group="sweep")
