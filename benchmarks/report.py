@@ -21,19 +21,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from benchmarks._systems import SYSTEMS
+
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ("small", "mid", "large", "ragged", "metadata", "concurrency", "sweep")
-ORDER = (
-    "tqstream-embedded",
-    "tqstream-procs-tcp",
-    "tqstream-procs-shm",
-    "memcpy",
-    "zmq-ipc",
-    "zmq-tcp",
-    "ray-object-store",
-    "ray-actor-queue",
-    "transferqueue",
-)
+ORDER = SYSTEMS
 RATIO_NOTE = "ratio = tqstream median time / that system's median time (< 1: tqstream is faster)"
 ALIAS_NOTE = (
     "(!) the tensors the consumer got are the producer's own input memory: nothing was copied, "

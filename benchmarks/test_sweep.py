@@ -7,19 +7,10 @@ from typing import Any
 import pytest
 
 from benchmarks._bench import roundtrip
-from benchmarks._systems import System
+from benchmarks._systems import SYSTEMS, System
 from benchmarks._workload import SWEEP_BATCHES, SWEEP_LENGTH, Scenario
 
-BENCH_SYSTEMS = (
-    "tqstream-embedded",
-    "tqstream-procs-tcp",
-    "tqstream-procs-shm",
-    "memcpy",
-    "zmq-ipc",
-    "zmq-tcp",
-    "ray-object-store",
-    "transferqueue",
-)
+BENCH_SYSTEMS = tuple(s for s in SYSTEMS if s != "ray-actor-queue")
 
 
 @pytest.mark.parametrize("batch", SWEEP_BATCHES)
