@@ -130,6 +130,7 @@ class UnitStats(msgspec.Struct, frozen=True):
     rows: int
     alive: bool = True
     max_bytes: int = 0  # byte quota; 0: unlimited
+    spare_bytes: int = 0  # recycled shared-memory segments kept for reuse (not in ``bytes``)
 
 
 class Stats(msgspec.Struct, frozen=True):

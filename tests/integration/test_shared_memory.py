@@ -678,6 +678,7 @@ def test_dropped_segment_is_reused_only_when_nobody_maps_it() -> None:
         held_inode = os.stat(mapped_path(held)).st_ino
         client.clear_partition("p")
         assert segments(token, "c") == set() and len(segments(token, "p")) == 1
+        assert client.stats().units[0].spare_bytes >= first.numel() * 4
         client.put({"x": second}, "p")  # the spare is still mapped by `held`: not offered
         assert held_inode not in _inodes(token, "c")
         got = client.get("p", "x", batch_size=256, task="t", timeout=5).data["x"]

@@ -247,6 +247,10 @@ class UnitSegments:
         self._chunk_names[chunk] = (name, start, len(mm))
         return views
 
+    @property
+    def spare_bytes(self) -> int:
+        return sum(size for size, _ in self._spares.values())
+
     def claimed(self, spare: str) -> None:
         """A client renamed ``spare`` for one of its chunks: it is no longer ours to offer."""
         self._spares.pop(spare, None)

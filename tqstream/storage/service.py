@@ -196,6 +196,7 @@ class StorageService:
                     chunks=s.chunks,
                     rows=s.rows,
                     max_bytes=self.config.max_bytes,
+                    spare_bytes=self.segments.spare_bytes if self.segments else 0,
                 )
                 return UnitStatsReply(rid=msg.rid, stats=stats)
             case _:
