@@ -470,11 +470,7 @@ class Client:
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         meta, columns = self._sync(self._core.get, req)  # one trip to the IO loop
-        try:
-            data = to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
-        except BaseException:
-            self._release_quietly(meta)
-            raise
+        data = self._decode_or_release(meta, columns, padded, pad_values)
         if auto_ack:
             self.ack(meta)
         return Batch(meta, data, self)
@@ -502,14 +498,20 @@ class Client:
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         meta, columns = await self._async(self._core.get, req)
-        try:
-            data = to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
-        except BaseException:
-            self._release_quietly(meta)
-            raise
+        data = self._decode_or_release(meta, columns, padded, pad_values)
         if auto_ack:
             await self.async_ack(meta)
         return Batch(meta, data, self)
+
+    def _decode_or_release(
+        self, meta: BatchMeta, columns: dict[str, Any], padded: bool, pad_values: PadValues
+    ) -> TensorDict:
+        """The batch's TensorDict; if building it fails, the lease is released."""
+        try:
+            return to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
+        except BaseException:
+            self._release_quietly(meta)
+            raise
 
     def _release_quietly(self, meta: BatchMeta) -> None:
         """Best effort: if it fails, the lease expires and the rows come back anyway."""
