@@ -697,3 +697,15 @@ def test_dropped_segment_is_reused_only_when_nobody_maps_it() -> None:
 def mapped_path(t: torch.Tensor) -> str:
     """The file behind the mapping holding ``t``, without a " (deleted)" suffix."""
     return mapping_of(t)[1].removesuffix(" (deleted)")
+
+
+def test_copy_returns_private_tensors_and_frees_the_segment(embedded: Client) -> None:
+    """get(copy=True) hands out tensors in memory of their own: no mapping of the chunk segment is
+    kept, so clearing the rows leaves a spare nobody maps."""
+    x = torch.randn(256, 1024)
+    embedded.put({"x": x}, "p")
+    token = embedded._core._shm[0]
+    got = embedded.get("p", "x", batch_size=256, task="t", timeout=5, copy=True).data["x"]
+    assert torch.equal(got, x) and "tqs-" not in mapping_of(got)[1]
+    embedded.clear_partition("p")
+    assert all(mapped(name) == [] for name in segments(token, "p"))

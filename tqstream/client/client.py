@@ -423,12 +423,16 @@ class Client:
         *,
         padded: bool = False,
         pad_values: PadValues = 0,
+        copy: bool = False,
     ) -> TensorDict:
         """The rows of ``meta`` as a TensorDict: dense fields dense, ragged fields as jagged
-        nested tensors (or padded, with ``<field>_lengths``), object fields as NonTensorStack."""
+        nested tensors (or padded, with ``<field>_lengths``), object fields as NonTensorStack.
+
+        The tensors are views of the received data — through shared memory, copy-on-write views of
+        the storage unit's pages — unless ``copy=True`` asks for private copies (one memcpy)."""
         names = list(meta.fields if fields is None else fields)
         columns = self._sync(self._core.fetch, meta, names)
-        return to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
+        return _decode(len(meta), columns, padded, pad_values, copy)
 
     async def async_get_data(
         self,
@@ -437,10 +441,11 @@ class Client:
         *,
         padded: bool = False,
         pad_values: PadValues = 0,
+        copy: bool = False,
     ) -> TensorDict:
         names = list(meta.fields if fields is None else fields)
         columns = await self._async(self._core.fetch, meta, names)
-        return to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
+        return _decode(len(meta), columns, padded, pad_values, copy)
 
     def get(
         self,
@@ -454,6 +459,7 @@ class Client:
         timeout: float | None = None,
         padded: bool = False,
         pad_values: PadValues = 0,
+        copy: bool = False,
         auto_ack: bool = False,
         current_version: int | None = None,
         max_staleness: int | None = None,
@@ -470,7 +476,7 @@ class Client:
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         meta, columns = self._sync(self._core.get, req)  # one trip to the IO loop
-        data = self._decode_or_release(meta, columns, padded, pad_values)
+        data = self._decode_or_release(meta, columns, padded, pad_values, copy)
         if auto_ack:
             self.ack(meta)
         return Batch(meta, data, self)
@@ -487,6 +493,7 @@ class Client:
         timeout: float | None = None,
         padded: bool = False,
         pad_values: PadValues = 0,
+        copy: bool = False,
         auto_ack: bool = False,
         current_version: int | None = None,
         max_staleness: int | None = None,
@@ -498,17 +505,22 @@ class Client:
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         meta, columns = await self._async(self._core.get, req)
-        data = self._decode_or_release(meta, columns, padded, pad_values)
+        data = self._decode_or_release(meta, columns, padded, pad_values, copy)
         if auto_ack:
             await self.async_ack(meta)
         return Batch(meta, data, self)
 
     def _decode_or_release(
-        self, meta: BatchMeta, columns: dict[str, Any], padded: bool, pad_values: PadValues
+        self,
+        meta: BatchMeta,
+        columns: dict[str, Any],
+        padded: bool,
+        pad_values: PadValues,
+        copy: bool,
     ) -> TensorDict:
         """The batch's TensorDict; if building it fails, the lease is released."""
         try:
-            return to_tensordict(len(meta), columns, padded=padded, pad_values=pad_values)
+            return _decode(len(meta), columns, padded, pad_values, copy)
         except BaseException:
             self._release_quietly(meta)
             raise
@@ -526,12 +538,14 @@ class Client:
         *,
         padded: bool = False,
         pad_values: PadValues = 0,
+        copy: bool = False,
     ) -> Batch:
         """Read rows by key without leasing or consuming them (fields: all written when None)."""
         meta = self._sync(
             self._core.get_by_keys, partition, list(keys), None if fields is None else list(fields)
         )
-        return Batch(meta, self.get_data(meta, padded=padded, pad_values=pad_values), self)
+        data = self.get_data(meta, padded=padded, pad_values=pad_values, copy=copy)
+        return Batch(meta, data, self)
 
     async def async_get_by_keys(
         self,
@@ -541,11 +555,12 @@ class Client:
         *,
         padded: bool = False,
         pad_values: PadValues = 0,
+        copy: bool = False,
     ) -> Batch:
         meta = await self._async(
             self._core.get_by_keys, partition, list(keys), None if fields is None else list(fields)
         )
-        data = await self.async_get_data(meta, padded=padded, pad_values=pad_values)
+        data = await self.async_get_data(meta, padded=padded, pad_values=pad_values, copy=copy)
         return Batch(meta, data, self)
 
     def list_keys(self, partition: str) -> list[str]:
@@ -627,6 +642,16 @@ def _partition_message(
         ttl=ttl,
         admission=admission,
     )
+
+
+def _decode(
+    n: int, columns: dict[str, Column], padded: bool, pad_values: PadValues, copy: bool
+) -> TensorDict:
+    """The TensorDict of fetched columns; ``copy``: private tensors instead of views of the
+    received message or of the storage unit's shared memory (which they then stop pinning)."""
+    if copy:
+        columns = {name: col.clone() for name, col in columns.items()}
+    return to_tensordict(n, columns, padded=padded, pad_values=pad_values)
 
 
 def _finalize(

@@ -134,6 +134,11 @@ class Column:
         size = self.values.numel() * self.values.element_size()
         return size if self.offsets is None else size + self.offsets.numel() * 8
 
+    def clone(self) -> Column:
+        """The same column in memory of its own."""
+        offsets = None if self.offsets is None else self.offsets.clone()
+        return Column(self.schema, self.values.clone(), offsets)
+
     def slice(self, start: int, stop: int) -> Column:
         """Rows ``[start, stop)``; ``values`` is a view (zero copy), offsets are rebased to 0."""
         n = self.n_rows
