@@ -5,9 +5,9 @@ A storage unit owns a *token* and names every segment it may serve ``tqs-<token>
 read the token back shares its memory (same host, same ``/dev/shm``) and from then on moves tensor
 bytes through segments instead of ZMQ frames, which then carry only the msgpack header:
 
-* put: the client lays a chunk's buffers out in a new segment ``tqs-<token>-c<chunk>`` (one copy)
-  and sends ``Store`` with the segment's regions; the unit maps the segment and keeps it as the
-  chunk's memory, unlinking its name when the chunk is dropped.
+* put: the client lays a chunk's buffers out in segment ``tqs-<token>-c<chunk>`` (one copy; a new
+  segment or a claimed spare, below) and sends ``Store`` with the segment's regions; the unit maps
+  the segment and keeps it as the chunk's memory until the chunk is dropped.
 * get: the unit answers a ``Fetch`` with regions of the chunk segments when the rows sit in order in
   one chunk (zero copy); gathered data above ``GATHER_SEGMENT_BYTES`` goes to a fresh segment
   ``tqs-<token>-g<n>`` (one copy) that the client unlinks once mapped, smaller data as frames.
@@ -197,6 +197,10 @@ class Segments:
             )
         return memoryview(mm)[region.offset : region.offset + region.nbytes]
 
+    def forget(self, name: str) -> mmap.mmap | None:
+        """Stop holding ``name``'s mapping (views keep it alive) and return it, if mapped."""
+        return self._maps.pop(name, None)
+
 
 def _address(buffer: Any) -> int:
     view = memoryview(buffer)
@@ -239,7 +243,7 @@ class UnitSegments:
         try:
             views = [self.reader.view(r) for r in regions]
         finally:
-            mm = self.reader._maps.pop(name, None)  # a refused Store keeps no mapping
+            mm = self.reader.forget(name)  # a refused Store keeps no mapping
         assert mm is not None
         start = _address(mm)
         self._spans[start] = (start + len(mm), name)

@@ -11,8 +11,8 @@ orders; clients learn the address from the controller.
 Clients on the same host move tensor bytes through shared memory instead (``protocol/shm.py``): a
 ``Store`` names the segment the client wrote, which becomes the chunk's memory, and a ``Fetch``
 with ``shared`` is answered with regions of the chunk segments (zero copy) or of a fresh segment
-holding gathered rows. Every segment this unit owns is unlinked when its chunk is dropped, and all
-of them at close.
+holding gathered rows. A dropped chunk's segment is kept as a spare for a later put (once nobody
+maps it) or unlinked; every name the unit owns is unlinked at close.
 """
 
 from __future__ import annotations
