@@ -55,8 +55,8 @@ async def _prepare_and_store_without_commit(
             timeout=5,
         )
         assert isinstance(reply, Ok)
-        await unit.close()
-    await ctrl.close()
+        unit.close()
+    ctrl.close()
     ctx.destroy(linger=0)
 
 

@@ -12,6 +12,7 @@ import gc
 import os
 import secrets
 import subprocess
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -91,6 +92,14 @@ def in_chunk_segment(t: torch.Tensor, token: str) -> bool:
     return perms.endswith("p") and path.startswith(f"{shm.SHM_DIR}/tqs-{token}-c")
 
 
+def shm_tokens(client: Client) -> dict[int, str]:
+    """unit -> token, of the units this thread's sync calls reach through shared memory (they run
+    on the thread's lane when the client has lanes, else on its IO thread)."""
+    lanes = client._lanes
+    lane = lanes._lanes.get(threading.current_thread()) if lanes is not None else None
+    return (client._core if lane is None else lane.core)._shm
+
+
 def token_of(client: Client, unit: int = 0) -> str:
     """The shared-memory token a unit offers in its Welcome (whatever the client uses)."""
     address = client.stats().units[unit].address
@@ -113,7 +122,7 @@ def on_unit(address: str, body: Callable[[Connection], Awaitable[T]]) -> T:
             try:
                 return await body(conn)
             finally:
-                await conn.close()
+                conn.close()
         finally:
             ctx.destroy(linger=0)
 
@@ -189,7 +198,7 @@ def test_put_and_get_go_through_shared_memory(embedded: Client) -> None:
     copy-on-write views of it (zero copy on the way out)."""
     data = rows(12)
     embedded.put(data, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     assert segments(token, "c"), "the put wrote no chunk segment"
     batch = embedded.get("p", list(data), batch_size=12, task="t", timeout=5)
     assert_rows(batch.data, data)
@@ -201,7 +210,7 @@ def test_put_and_get_go_through_shared_memory(embedded: Client) -> None:
 def test_put_fields_go_through_shared_memory(embedded: Client) -> None:
     """Fields added to existing rows are stored in their own chunk segment and read back."""
     meta = embedded.put({"x": torch.arange(6)}, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     before = segments(token, "c")
     embedded.put_fields(meta, {"y": torch.arange(6, 12, dtype=torch.float32)})
     assert len(segments(token, "c") - before) == 1
@@ -239,7 +248,7 @@ def test_shared_memory_off_uses_frames_only() -> None:
         assert segments(token, "c") == set()
         batch = client.get("p", list(data), batch_size=12, task="t", timeout=5)
         assert_rows(batch.data, data)
-        assert not client._core._shm
+        assert not shm_tokens(client)
         assert "tqs-" not in mapping_of(batch.data["ids"])[1]
         assert segments(token, "c") == segments(token, "g") == set()
 
@@ -250,7 +259,7 @@ def test_view_outlives_cleared_rows_and_is_reclaimed(embedded: Client) -> None:
     maps it no more."""
     x = torch.arange(4096, dtype=torch.float64).reshape(64, 64)
     embedded.put({"x": x}, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     batch = embedded.get("p", "x", batch_size=64, task="t", timeout=5)
     got = batch.data["x"]
     path = mapping_of(got)[1]
@@ -270,7 +279,7 @@ def test_writing_a_got_tensor_does_not_change_stored_rows(embedded: Client) -> N
     """Got tensors are copy-on-write: writing one in place leaves what other tasks get intact."""
     x = torch.arange(32, dtype=torch.int64).reshape(4, 8)
     meta = embedded.put({"x": x}, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     mine = embedded.get("p", "x", batch_size=4, task="a", timeout=5).data["x"]
     assert in_chunk_segment(mine, token)
     mine.fill_(-1)
@@ -285,7 +294,7 @@ def test_large_gather_goes_through_a_segment_that_is_unlinked(embedded: Client) 
     a, b = torch.randn(GATHER_ROWS, 1024), torch.randn(GATHER_ROWS, 1024)
     embedded.put({"x": a}, "p")
     embedded.put({"x": b}, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     got = embedded.get("p", "x", batch_size=2 * GATHER_ROWS, task="t", timeout=5).data["x"]
     assert torch.equal(got, torch.cat([a, b]))
     assert segments(token, "g") == set()
@@ -298,7 +307,7 @@ def test_small_gather_goes_as_frames(embedded: Client) -> None:
     x = torch.arange(64, dtype=torch.int32).reshape(16, 4)
     assert x.nbytes < shm.GATHER_SEGMENT_BYTES
     meta = embedded.put({"x": x, "s": [str(i) for i in range(16)]}, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     order = [15, 3, 7, 0, 9]
     got = embedded.get_by_keys("p", [meta.keys[i] for i in order], ["x", "s"]).data
     assert torch.equal(got["x"], x[order])
@@ -313,7 +322,7 @@ def test_two_units_each_share_their_own_segments() -> None:
         parts = [torch.arange(12) + 12 * i for i in range(3)]
         units = {u for x in parts for u in client.put({"x": x}, "p").units}
         assert units == {0, 1}
-        tokens = client._core._shm
+        tokens = shm_tokens(client)
         assert set(tokens) == {0, 1} and tokens[0] != tokens[1]
         assert all(segments(token, "c") for token in tokens.values())
         got = client.get("p", "x", batch_size=36, task="t", timeout=5).data["x"]
@@ -324,7 +333,7 @@ def test_two_units_each_share_their_own_segments() -> None:
 def test_chunk_segment_is_unlinked_with_its_last_row(embedded: Client) -> None:
     """Clearing some rows of a chunk keeps its segment; clearing the last one unlinks it."""
     meta = embedded.put({"x": torch.arange(4)}, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     (name,) = segments(token, "c")
     embedded.clear_samples(meta.select([0, 1]))
     assert segments(token, "c") == {name}
@@ -339,7 +348,7 @@ def test_unit_without_a_visible_probe_gets_frames(embedded: Client) -> None:
     shm.unlink(f"tqs-{token}-probe")
     data = rows(6)
     embedded.put(data, "p")
-    assert not embedded._core._shm
+    assert not shm_tokens(embedded)
     assert segments(token) == set()
     assert_rows(embedded.get("p", list(data), batch_size=6, task="t", timeout=5).data, data)
 
@@ -354,7 +363,7 @@ def test_clients_with_and_without_shared_memory_share_rows(embedded: Client) -> 
         framed.put({"x": big}, "a")
         got = embedded.get("a", "x", batch_size=GATHER_ROWS, task="t", timeout=5).data["x"]
         assert torch.equal(got, big)
-        token = embedded._core._shm[0]
+        token = shm_tokens(embedded)[0]
         assert segments(token, "g") == set()
         assert mapping_of(got)[1].startswith(f"{shm.SHM_DIR}/tqs-{token}-g")
         data = rows(5)
@@ -373,7 +382,7 @@ def test_process_cluster_uses_shared_memory_and_cleans_up() -> None:
         try:
             data = rows(10)
             client.put(data, "p")
-            token = client._core._shm[0]
+            token = shm_tokens(client)[0]
             assert segments(token, "c") and segments(token, "probe")
             batch = client.get("p", list(data), batch_size=10, task="t", timeout=10)
             assert_rows(batch.data, data)
@@ -388,7 +397,7 @@ def test_close_removes_every_segment_of_the_unit() -> None:
     """Closing an embedded cluster stops its unit, which unlinks its probe and live chunks."""
     with same_host() as (owner, client):
         client.put({"x": torch.arange(100)}, "p")
-        token = client._core._shm[0]
+        token = shm_tokens(client)[0]
         assert segments(token, "c") and segments(token, "probe")
         client.close()
         owner.close()
@@ -406,7 +415,7 @@ def test_full_dev_shm_put_falls_back_to_frames(
     monkeypatch.setattr(shm, "write_segment", full)
     data = rows(8)
     embedded.put(data, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     assert segments(token, "c") == set()
     assert_rows(embedded.get("p", list(data), batch_size=8, task="t", timeout=5).data, data)
 
@@ -563,7 +572,7 @@ def test_fetch_of_shared_rows_answers_regions(embedded: Client) -> None:
     segment and empty frames; the same Fetch without ``shared`` carries the bytes."""
     x = torch.arange(40, dtype=torch.int64).reshape(10, 4)
     meta = embedded.put({"x": x}, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     address = embedded.stats().units[0].address
 
     async def body(conn: Connection) -> None:
@@ -591,7 +600,7 @@ def test_segments_of_a_killed_unit_are_swept_by_the_next_unit() -> None:
         tqstream.connect(cluster.address, EVERY_SIZE) as client,
     ):
         client.put({"x": torch.arange(1000)}, "p")
-        token = client._core._shm[0]
+        token = shm_tokens(client)[0]
         unit = cluster.procs[1]
         unit.kill()
         unit.wait()
@@ -673,7 +682,7 @@ def test_dropped_segment_is_reused_only_when_nobody_maps_it() -> None:
     first, second, third = (torch.full((256, 1024), float(i)) for i in range(3))
     with same_host() as (_, client):
         client.put({"x": first}, "p")
-        token = client._core._shm[0]
+        token = shm_tokens(client)[0]
         held = client.get("p", "x", batch_size=256, task="t", timeout=5).data["x"]
         held_inode = os.stat(mapped_path(held)).st_ino
         client.clear_partition("p")
@@ -704,7 +713,7 @@ def test_copy_returns_private_tensors_and_frees_the_segment(embedded: Client) ->
     kept, so clearing the rows leaves a spare nobody maps."""
     x = torch.randn(256, 1024)
     embedded.put({"x": x}, "p")
-    token = embedded._core._shm[0]
+    token = shm_tokens(embedded)[0]
     got = embedded.get("p", "x", batch_size=256, task="t", timeout=5, copy=True).data["x"]
     assert torch.equal(got, x) and "tqs-" not in mapping_of(got)[1]
     embedded.clear_partition("p")

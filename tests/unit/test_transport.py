@@ -132,7 +132,7 @@ async def still_serving(ctx: Any, address: str) -> None:
     conn = await connect(ctx, address)
     reply, _ = await conn.request(GetStats(rid=0), timeout=5)
     assert isinstance(reply, Ok)
-    await conn.close()
+    conn.close()
 
 
 def test_handshake() -> None:
@@ -147,7 +147,7 @@ def test_handshake() -> None:
                 max_message_bytes=LIMIT,
                 units=["u0"],
             )
-            await conn.close()
+            conn.close()
 
     asyncio.run(main())
 
@@ -194,7 +194,7 @@ def test_concurrent_requests_are_matched_and_parked_ones_are_passed() -> None:
             with pytest.raises(tqstream.PartitionClearedError, match="cleared"):
                 await failing
             assert not conn._pending
-            await conn.close()
+            conn.close()
 
     asyncio.run(main())
 
@@ -214,7 +214,7 @@ def test_errors_travel_as_their_class() -> None:
             with pytest.raises(tqstream.InternalError, match=r"clear_partition .*ValueError: boom"):
                 await conn.request(ClearPartition(rid=0, partition="p"), timeout=5)
             await still_serving(ctx, server.address)
-            await conn.close()
+            conn.close()
 
     asyncio.run(main())
 
@@ -275,7 +275,7 @@ def test_oversized_messages_are_refused_on_both_sides() -> None:
             with pytest.raises(tqstream.ConnectionLostError, match="fetch"):
                 await conn.request(fetch, [bytes(3 * LIMIT)], timeout=5)
             assert handler.count == 0
-            await conn.close()
+            conn.close()
             await still_serving(ctx, server.address)
 
     asyncio.run(main())
@@ -296,7 +296,7 @@ def test_protocol_mismatch() -> None:
             conn = await connect(ctx, server.address)
             with pytest.raises(tqstream.ProtocolVersionError, match="protocol 999"):
                 await conn.request(Hello(rid=0, protocol=999), timeout=5)
-            await conn.close()
+            conn.close()
 
         # a server of another version (faked by a raw ROUTER) is refused by the client
         ctx = zmq.asyncio.Context()
@@ -377,7 +377,7 @@ def test_dead_server_fails_pending_requests(sig: int) -> None:
                 await asyncio.wait_for(pending, 10)
             assert time.monotonic() - start < 3
             assert address in str(pending.exception())
-            await conn.close()
+            conn.close()
             ctx.destroy(linger=0)
 
         asyncio.run(main())
@@ -393,8 +393,8 @@ def test_close_is_idempotent_and_fails_pending() -> None:
             get = GetMeta(rid=0, partition="p", fields=[], batch_size=1, task="t")
             pending = asyncio.ensure_future(conn.request(get, timeout=None))
             await asyncio.sleep(0.05)
-            await conn.close()
-            await conn.close()
+            conn.close()
+            conn.close()
             with pytest.raises(tqstream.ClosedError, match="get_meta"):
                 await pending
             with pytest.raises(tqstream.ClosedError):
@@ -404,7 +404,7 @@ def test_close_is_idempotent_and_fails_pending() -> None:
                 try:
                     await other.request(get, timeout=0.1)
                 finally:
-                    await other.close()
+                    other.close()
 
     asyncio.run(main())
 
@@ -423,7 +423,7 @@ def test_large_buffers_are_not_copied() -> None:
                 view = received.buffer
                 assert isinstance(view, memoryview) and view.obj is received
                 assert view.nbytes == len(data) and view == data
-            await conn.close()
+            conn.close()
 
     asyncio.run(main())
 
@@ -448,7 +448,7 @@ def test_request_during_an_outage_waits_at_most_connect_timeout() -> None:
         serving_task = asyncio.ensure_future(second.serve())
         reply, _ = await conn.request(GetStats(rid=0), timeout=5)
         assert isinstance(reply, Ok) and not conn._down
-        await conn.close()
+        conn.close()
         await second.close()
         await serving_task
         ctx.destroy(linger=0)
@@ -486,7 +486,7 @@ def test_undecodable_replies() -> None:
         with pytest.raises(tqstream.MalformedMessageError, match=r"get_stats \(request 3\)"):
             await conn.request(GetStats(rid=0), timeout=5)
         await task
-        await conn.close()
+        conn.close()
         router.close(linger=0)
         ctx.destroy(linger=0)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from tqstream.client.core import ClientCore
 from tqstream.errors import RequestTimeoutError
 from tqstream.protocol.messages import (
     Acquire,
@@ -42,10 +43,10 @@ class AdmissionHandle:
         return f"AdmissionHandle(name={self.name!r}, style={self.style!r})"
 
     def _call(self, msg: Any, expect: type, timeout: float | None = -1.0) -> Any:
-        return self.client._sync(self.client._core.call, msg, expect, timeout)
+        return self.client._sync(ClientCore.call, msg, expect, timeout)
 
     async def _acall(self, msg: Any, expect: type, timeout: float | None = -1.0) -> Any:
-        return await self.client._async(self.client._core.call, msg, expect, timeout)
+        return await self.client._async(ClientCore.call, msg, expect, timeout)
 
     @staticmethod
     def _wait(timeout: float | None) -> float | None:

@@ -9,7 +9,9 @@ thread does not exist there): create a new one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +22,7 @@ from tensordict import TensorDict
 
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.core import ClientCore
+from tqstream.client.lanes import CLOSED, Lanes
 from tqstream.client.loop import LoopThread
 from tqstream.client.versions import row_versions
 from tqstream.config import ClientConfig, from_env
@@ -103,9 +106,13 @@ class Client:
             if on_close is not None:
                 on_close()
             raise
+        # sync calls of a client of other processes run on the caller's thread (lanes.py)
+        release = functools.partial(_release_on, self._io, self._core)  # no reference to self
+        self._lanes = Lanes(address, self.config, release) if io is None else None
         self._finalizer = weakref.finalize(
-            self, _finalize, self._io if self._owns_io else None, self._core, on_close
-        )
+            self, _finalize, self._io if self._owns_io else None, self._core, on_close,
+            None, self._lanes,
+        )  # fmt: skip
 
     # --- lifecycle ---
     def close(self) -> None:
@@ -114,7 +121,9 @@ class Client:
             return
         self._closed = True
         self._finalizer.detach()
-        _finalize(self._io if self._owns_io else None, self._core, self._on_close, self._io)
+        _finalize(
+            self._io if self._owns_io else None, self._core, self._on_close, self._io, self._lanes
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -128,23 +137,28 @@ class Client:
 
     def _check(self) -> None:
         if self._closed:
-            raise ClosedError(
-                "this tqstream client is closed; create a new one with "
-                "tqstream.init() or tqstream.connect()"
-            )
+            raise ClosedError(CLOSED)
         if os.getpid() != self._pid:
             raise ClosedError(
                 "this tqstream client was created in another process (before a "
                 "fork); create a new client in this process"
             )
 
-    def _sync(self, coro_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _sync(self, method: Callable[..., Any], *args: Any) -> Any:
+        """``method(core, *args)`` (a ``ClientCore`` coroutine function): on this thread's lane
+        when the client has lanes, else on the IO thread."""
         self._check()
-        return self._io.run(coro_fn(*args, **kwargs))
+        lane = self._lanes.enter() if self._lanes is not None else None
+        if lane is None:
+            return self._io.run(method(self._core, *args))
+        try:
+            return lane.run(method(lane.core, *args))
+        finally:
+            self._lanes.leave(lane)  # type: ignore[union-attr]
 
-    async def _async(self, coro_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _async(self, method: Callable[..., Any], *args: Any) -> Any:
         self._check()
-        return await self._io.arun(coro_fn(*args, **kwargs))
+        return await self._io.arun(method(self._core, *args))
 
     # --- put ---
     def _encode_put(
@@ -257,7 +271,7 @@ class Client:
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout,
         )  # fmt: skip
-        return self._sync(self._core.put, req, columns)
+        return self._sync(ClientCore.put, req, columns)
 
     async def async_put(
         self,
@@ -277,7 +291,7 @@ class Client:
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout,
         )  # fmt: skip
-        return await self._async(self._core.put, req, columns)
+        return await self._async(ClientCore.put, req, columns)
 
     @staticmethod
     def _encode_fields(meta: BatchMeta, data: Any) -> dict[str, Column]:
@@ -293,10 +307,10 @@ class Client:
 
     def put_fields(self, meta: BatchMeta, data: Any) -> None:
         """Add columns (e.g. ``advantages``) to existing rows, in ``meta``'s row order."""
-        self._sync(self._core.put_fields, meta, self._encode_fields(meta, data))
+        self._sync(ClientCore.put_fields, meta, self._encode_fields(meta, data))
 
     async def async_put_fields(self, meta: BatchMeta, data: Any) -> None:
-        await self._async(self._core.put_fields, meta, self._encode_fields(meta, data))
+        await self._async(ClientCore.put_fields, meta, self._encode_fields(meta, data))
 
     def create_partition(
         self,
@@ -318,7 +332,7 @@ class Client:
         tasks/ttl/admission.
         """
         msg = _partition_message(partition, fields, tasks, ttl, admission)
-        self._sync(self._core.call, msg)
+        self._sync(ClientCore.call, msg)
 
     async def async_create_partition(
         self,
@@ -330,7 +344,7 @@ class Client:
         admission: str | None = None,
     ) -> None:
         msg = _partition_message(partition, fields, tasks, ttl, admission)
-        await self._async(self._core.call, msg)
+        await self._async(ClientCore.call, msg)
 
     # --- get ---
     @staticmethod
@@ -393,7 +407,7 @@ class Client:
         req = self._get_request(
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
-        return self._sync(self._core.get_meta, req)
+        return self._sync(ClientCore.get_meta, req)
 
     async def async_get_meta(
         self,
@@ -414,7 +428,7 @@ class Client:
         req = self._get_request(
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
-        return await self._async(self._core.get_meta, req)
+        return await self._async(ClientCore.get_meta, req)
 
     def get_data(
         self,
@@ -431,7 +445,7 @@ class Client:
         The tensors are views of the received data — through shared memory, copy-on-write views of
         the storage unit's pages — unless ``copy=True`` asks for private copies (one memcpy)."""
         names = list(meta.fields if fields is None else fields)
-        columns = self._sync(self._core.fetch, meta, names)
+        columns = self._sync(ClientCore.fetch, meta, names)
         return _decode(len(meta), columns, padded, pad_values, copy)
 
     async def async_get_data(
@@ -444,7 +458,7 @@ class Client:
         copy: bool = False,
     ) -> TensorDict:
         names = list(meta.fields if fields is None else fields)
-        columns = await self._async(self._core.fetch, meta, names)
+        columns = await self._async(ClientCore.fetch, meta, names)
         return _decode(len(meta), columns, padded, pad_values, copy)
 
     def get(
@@ -475,7 +489,7 @@ class Client:
         req = self._get_request(
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
-        meta, columns = self._sync(self._core.get, req)  # one trip to the IO loop
+        meta, columns = self._sync(ClientCore.get, req)  # one call: get_meta + fetch
         data = self._decode_or_release(meta, columns, padded, pad_values, copy)
         if auto_ack:
             self.ack(meta)
@@ -504,7 +518,7 @@ class Client:
         req = self._get_request(
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
-        meta, columns = await self._async(self._core.get, req)
+        meta, columns = await self._async(ClientCore.get, req)
         data = self._decode_or_release(meta, columns, padded, pad_values, copy)
         if auto_ack:
             await self.async_ack(meta)
@@ -528,7 +542,7 @@ class Client:
     def _release_quietly(self, meta: BatchMeta) -> None:
         """Best effort: if it fails, the lease expires and the rows come back anyway."""
         if not self._closed:
-            self._io.loop.call_soon_threadsafe(self._core.release_soon, meta)
+            _release_on(self._io, self._core, meta)
 
     def get_by_keys(
         self,
@@ -542,7 +556,7 @@ class Client:
     ) -> Batch:
         """Read rows by key without leasing or consuming them (fields: all written when None)."""
         meta = self._sync(
-            self._core.get_by_keys, partition, list(keys), None if fields is None else list(fields)
+            ClientCore.get_by_keys, partition, list(keys), None if fields is None else list(fields)
         )
         data = self.get_data(meta, padded=padded, pad_values=pad_values, copy=copy)
         return Batch(meta, data, self)
@@ -558,17 +572,17 @@ class Client:
         copy: bool = False,
     ) -> Batch:
         meta = await self._async(
-            self._core.get_by_keys, partition, list(keys), None if fields is None else list(fields)
+            ClientCore.get_by_keys, partition, list(keys), None if fields is None else list(fields)
         )
         data = await self.async_get_data(meta, padded=padded, pad_values=pad_values, copy=copy)
         return Batch(meta, data, self)
 
     def list_keys(self, partition: str) -> list[str]:
         """Keys of the partition's visible rows, in put order."""
-        return self._sync(self._core.list_keys, partition)
+        return self._sync(ClientCore.list_keys, partition)
 
     async def async_list_keys(self, partition: str) -> list[str]:
-        return await self._async(self._core.list_keys, partition)
+        return await self._async(ClientCore.list_keys, partition)
 
     # --- admission ---
     def admission(self, style: str, *, name: str = "default", **config: int) -> AdmissionHandle:
@@ -580,51 +594,51 @@ class Client:
         admission again is harmless; a configuration that would deadlock raises AdmissionError.
         """
         msg = CreateAdmission(rid=0, name=name, style=style, config=dict(config))
-        self._sync(self._core.call, msg)
+        self._sync(ClientCore.call, msg)
         return AdmissionHandle(self, name, style)
 
     async def async_admission(
         self, style: str, *, name: str = "default", **config: int
     ) -> AdmissionHandle:
         msg = CreateAdmission(rid=0, name=name, style=style, config=dict(config))
-        await self._async(self._core.call, msg)
+        await self._async(ClientCore.call, msg)
         return AdmissionHandle(self, name, style)
 
     # --- consumption ---
     def ack(self, meta: BatchMeta) -> int:
         """Consume the leased rows of ``meta`` for its task; returns how many were newly acked."""
-        return self._sync(self._core.ack, meta)
+        return self._sync(ClientCore.ack, meta)
 
     async def async_ack(self, meta: BatchMeta) -> int:
-        return await self._async(self._core.ack, meta)
+        return await self._async(ClientCore.ack, meta)
 
     def release(self, meta: BatchMeta) -> int:
         """Give the leased rows back unconsumed; they keep their place in the order."""
-        return self._sync(self._core.ack, meta, True)
+        return self._sync(ClientCore.ack, meta, True)
 
     async def async_release(self, meta: BatchMeta) -> int:
-        return await self._async(self._core.ack, meta, True)
+        return await self._async(ClientCore.ack, meta, True)
 
     def clear_samples(self, meta: BatchMeta) -> None:
         """Delete the rows of ``meta`` for every task and free their storage."""
-        self._sync(self._core.clear_samples, meta)
+        self._sync(ClientCore.clear_samples, meta)
 
     async def async_clear_samples(self, meta: BatchMeta) -> None:
-        await self._async(self._core.clear_samples, meta)
+        await self._async(ClientCore.clear_samples, meta)
 
     def clear_partition(self, partition: str) -> None:
         """Delete the partition, its rows and bytes; waiting gets raise PartitionClearedError."""
-        self._sync(self._core.clear_partition, partition)
+        self._sync(ClientCore.clear_partition, partition)
 
     async def async_clear_partition(self, partition: str) -> None:
-        await self._async(self._core.clear_partition, partition)
+        await self._async(ClientCore.clear_partition, partition)
 
     def stats(self, partition: str | None = None) -> Stats:
         """Rows, fields and per-task state per partition; bytes held per storage unit."""
-        return self._sync(self._core.stats, partition)
+        return self._sync(ClientCore.stats, partition)
 
     async def async_stats(self, partition: str | None = None) -> Stats:
-        return await self._async(self._core.stats, partition)
+        return await self._async(ClientCore.stats, partition)
 
 
 def _partition_message(
@@ -654,18 +668,32 @@ def _decode(
     return to_tensordict(n, columns, padded=padded, pad_values=pad_values)
 
 
+def _release_on(io: LoopThread, core: ClientCore, meta: BatchMeta) -> None:
+    """Release ``meta``'s lease from the IO thread, in the background; best effort: if it
+    fails, the lease expires and the rows come back anyway."""
+    with contextlib.suppress(RuntimeError):  # the loop is closed
+        io.loop.call_soon_threadsafe(core.release_soon, meta)
+
+
 def _finalize(
     own: LoopThread | None,
     core: ClientCore,
     on_close: Callable[[], None] | None,
     borrowed: LoopThread | None = None,
+    lanes: Lanes | None = None,
 ) -> None:
-    """Close the sockets on the loop; stop the loop if the client owns it; then ``on_close``
-    (an embedded cluster stops its servers, and the loop it lent the client)."""
+    """Close the lanes and the sockets on the loop; stop the loop if the client owns it; then
+    ``on_close`` (an embedded cluster stops its servers, and the loop it lent the client)."""
     io = own or borrowed
+
+    async def close() -> None:
+        core.close()
+
     try:
+        if lanes is not None:
+            lanes.close()
         if io is not None and io.loop.is_running():
-            io.submit(core.close()).result(timeout=10)
+            io.submit(close()).result(timeout=10)
     finally:
         if own is not None:
             own.stop()

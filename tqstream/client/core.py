@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -57,6 +57,8 @@ from tqstream.protocol.messages import (
 )
 from tqstream.protocol.transport import Connection
 from tqstream.types import BatchMeta, Stats
+
+T = TypeVar("T")
 
 GET_GRACE = 10.0
 """Extra seconds a client waits for a parked get beyond its server-side timeout."""
@@ -106,6 +108,14 @@ def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) 
     return out
 
 
+async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather``, without its task per job when there is one job (most puts and gets:
+    one storage unit), which saves loop iterations on the small-request path."""
+    if len(jobs) == 1:
+        return [await jobs[0]]
+    return list(await asyncio.gather(*jobs))
+
+
 class ClientCore:
     def __init__(
         self, ctx: zmq.Context[Any], controller: Connection, config: ClientConfig, owns_ctx: bool
@@ -119,6 +129,9 @@ class ClientCore:
         self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
         self._spares: dict[int, list[Spare]] = {}  # unit -> its recycled segments, last we heard
         self._background: set[asyncio.Task[None]] = set()
+        self.release_elsewhere: Callable[[BatchMeta], None] | None = None
+        """Set on a core whose loop runs only during calls: where ``release_soon`` sends leases
+        to release (a loop that keeps running)."""
 
     @classmethod
     async def open(
@@ -154,16 +167,26 @@ class ClientCore:
             max_message_bytes=config.max_message_bytes,
         )
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Close every connection (pending requests fail with ``ClosedError``); call on the
+        core's loop thread, or while nothing runs on its loop."""
         for task in self._units.values():
             if task.done() and not task.cancelled() and task.exception() is None:
-                await task.result().close()
+                task.result().close()
             else:
                 task.cancel()
         self._units.clear()
-        await self.controller.close()
+        self.controller.close()
         if self._owns_ctx:
             self.ctx.destroy(linger=0)
+
+    def check_links(self) -> None:
+        """Take in the connection events that queued while the loop was not running (a core
+        driven only during calls), so a request is not failed for a drop that is already over."""
+        self.controller.check_link()
+        for task in self._units.values():
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().check_link()
 
     async def _unit(self, index: int) -> Connection:
         task = self._units.get(index)
@@ -235,7 +258,7 @@ class ClientCore:
                 spares = self._spares.setdefault(seg.unit, [])
                 msg, bufs = _store_message(partition, seg.chunk, rows, part, token, least, spares)
                 jobs.append(self._stored(seg.unit, msg, conn, bufs))
-            await asyncio.gather(*jobs)
+            await _all(jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
             meta: BatchMeta = reply.meta
             if req.rejected:
@@ -273,7 +296,7 @@ class ClientCore:
                     meta.partition, seg.chunk, rows, part, token, least, spares
                 )
                 jobs.append(self._stored(seg.unit, msg, conn, bufs))
-            await asyncio.gather(*jobs)
+            await _all(jobs)
             await self._ask(CommitPut(rid=0, put_id=plan.put_id), Ok)
 
         await self._committed(plan.put_id, store())
@@ -314,6 +337,9 @@ class ClientCore:
 
     def release_soon(self, meta: BatchMeta) -> None:
         """Release ``meta``'s lease in the background, ignoring failures (call on the loop)."""
+        if self.release_elsewhere is not None:
+            self.release_elsewhere(meta)
+            return
 
         async def release() -> None:
             with contextlib.suppress(TQStreamError):
@@ -346,7 +372,7 @@ class ClientCore:
                 frames = _shared_frames(token, reply.shared, frames)
             return {ref.name: column_from_wire(ref, frames) for ref in reply.columns}
 
-        parts = await asyncio.gather(*(one(u, pos) for u, pos in by_unit.items()))
+        parts = await _all([one(u, pos) for u, pos in by_unit.items()])
         if len(parts) == 1:
             return parts[0]
         order = [i for pos in by_unit.values() for i in pos]

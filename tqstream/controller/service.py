@@ -104,7 +104,7 @@ class ControllerService:
             t.cancel()
         await self.server.close()
         for conn in self.units:
-            await conn.close()
+            conn.close()
         self.units.clear()
 
     # --- dispatch ---

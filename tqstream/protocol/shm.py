@@ -259,6 +259,10 @@ class UnitSegments:
         """A client renamed ``spare`` for one of its chunks: it is no longer ours to offer."""
         self._spares.pop(spare, None)
 
+    def holds(self, chunk: int) -> bool:
+        """Whether the chunk was stored through shared memory (``adopt``) and not released."""
+        return chunk in self._chunk_names
+
     def release(self, chunk: int) -> None:
         """The chunk was dropped (or never stored). Call it once the chunk's tensors are gone: its
         segment is recycled if nobody else has it open or mapped, else its name is unlinked

@@ -77,8 +77,12 @@ def _fd(sock: zmq.Socket[Any]) -> int:
     return int(sock.getsockopt(zmq.FD))
 
 
+_EVENTS, POLLIN, POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+"""Plain ints: pyzmq's enum members make every ``&`` build an enum (a few µs per message)."""
+
+
 def _events(sock: zmq.Socket[Any]) -> int:
-    return int(sock.getsockopt(zmq.EVENTS))
+    return int(sock.get(_EVENTS))
 
 
 def _op(msg: msgspec.Struct) -> str:
@@ -209,6 +213,7 @@ class Server:
         self._sock = sock
         self._fd = _fd(sock)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
 
     async def serve(self) -> None:
         """Serve until ``close()``; then return. Raises only what breaks the server itself (never
@@ -253,8 +258,12 @@ class Server:
         """Handle every message waiting on the socket (the ZMQ fd is edge-triggered: it signals
         once for any number of messages, so stopping early would strand the rest)."""
         sock = self._sock
-        while not self._closed and self._failure is None and _events(sock) & zmq.POLLIN:
-            self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        self._draining = True
+        try:
+            while not self._closed and self._failure is None and _events(sock) & POLLIN:
+                self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        finally:
+            self._draining = False
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         """Handle one message; whatever goes wrong becomes an ``ErrorReply`` to its sender."""
@@ -370,7 +379,8 @@ class Server:
         # to the code that answered.
         self._sock.send_multipart([identity, encode(msg), *buffers], zmq.NOBLOCK, copy=False)
         # a send may consume the fd's edge: if input is waiting, the fd will not say so again
-        if self._loop is not None and _events(self._sock) & zmq.POLLIN:
+        # (inside _drain, its loop looks again anyway)
+        if self._loop is not None and not self._draining and _events(self._sock) & POLLIN:
             self._loop.call_soon(self._drain)
 
 
@@ -470,7 +480,7 @@ class Connection:
             if reply.protocol != PROTOCOL_VERSION:
                 raise _version_error(PROTOCOL_VERSION, role, reply.server, address, reply.protocol)
         except BaseException:
-            await conn.close()
+            conn.close()
             raise
         conn.welcome = reply
         conn._limit = min(max_message_bytes, reply.max_message_bytes)
@@ -545,12 +555,12 @@ class Connection:
                 self._sock.send_multipart(frames, zmq.NOBLOCK, copy=self._inproc)
             except zmq.Again:
                 self._unsent.append(frames)
-        if self._unsent or _events(self._sock) & zmq.POLLIN:  # a send may consume the fd's edge
+        if self._unsent or _events(self._sock) & POLLIN:  # a send may consume the fd's edge
             self._loop.call_soon(self._guard, self._read)
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Fail pending requests with ``ClosedError``, stop watching, close the sockets.
-        Idempotent."""
+        Idempotent; call on the connection's loop thread (or while nothing else uses it)."""
         if self._closed:
             return
         self._closed = True
@@ -563,6 +573,10 @@ class Connection:
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
+
+    def check_link(self) -> None:
+        """Handle the monitor's waiting connection events now (``ClientCore.check_links``)."""
+        self._guard(self._watch)
 
     def _guard(self, body: Callable[[], None]) -> None:
         """A reader that fails takes the connection down with it: every pending and every later
@@ -583,12 +597,12 @@ class Connection:
         sock = self._sock
         while True:
             events = _events(sock)
-            if self._unsent and events & zmq.POLLOUT:
+            if self._unsent and events & POLLOUT:
                 with contextlib.suppress(zmq.Again):
                     while self._unsent:
                         sock.send_multipart(self._unsent[0], zmq.NOBLOCK, copy=self._inproc)
                         self._unsent.pop(0)
-            if not events & zmq.POLLIN:
+            if not events & POLLIN:
                 return
             frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             header = frames[0].buffer
@@ -609,7 +623,7 @@ class Connection:
                 entry[0].set_result((reply, frames))
 
     def _watch(self) -> None:
-        while _events(self._monitor) & zmq.POLLIN:
+        while _events(self._monitor) & POLLIN:
             event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             if event == zmq.EVENT_MONITOR_STOPPED:
                 return

@@ -67,9 +67,10 @@ _TOMBSTONES = 100_000
 class ColumnStore:
     """Chunks of columns per partition, addressed by controller-assigned row and chunk ids."""
 
-    def __init__(self, on_release: Callable[[int], None] = lambda chunk: None) -> None:
-        """``on_release(chunk_id)`` runs when a chunk is dropped, and for a chunk dropped before it
-        arrived (its memory may exist already, e.g. a shared-memory segment a client wrote)."""
+    def __init__(self, on_release: Callable[[int, bool], None] = lambda chunk, held: None) -> None:
+        """``on_release(chunk_id, held)`` runs when a chunk is dropped (``held``), and for a chunk
+        dropped before it arrived (not ``held``; its memory may exist already, e.g. a
+        shared-memory segment a client wrote)."""
         self._on_release = on_release
         self._partitions: dict[str, _Partition] = {}
         self._chunks: dict[int, _Chunk] = {}
@@ -217,7 +218,7 @@ class ColumnStore:
                 self._tombstones[chunk_id] = None
                 if len(self._tombstones) > _TOMBSTONES:
                     self._tombstones.popitem(last=False)
-                self._on_release(chunk_id)
+                self._on_release(chunk_id, False)
                 continue
             part = self._partitions[chunk.partition]
             for row in list(chunk.positions):
@@ -245,7 +246,7 @@ class ColumnStore:
             for chunk in part.chunks.values():
                 del self._chunks[chunk.id]
                 self._bytes -= chunk.nbytes
-                self._on_release(chunk.id)
+                self._on_release(chunk.id, True)
 
     # --- internals --------------------------------------------------------------------------------
     def _unindex(self, part: _Partition, chunk: _Chunk, row: int) -> None:
@@ -259,7 +260,7 @@ class ColumnStore:
     def _release(self, part: _Partition, chunk: _Chunk) -> None:
         del self._chunks[chunk.id], part.chunks[chunk.id]
         self._bytes -= chunk.nbytes
-        self._on_release(chunk.id)
+        self._on_release(chunk.id, True)
         if not part.chunks:  # nothing left: forget the partition (its index is empty too)
             self._partitions.pop(chunk.partition, None)
 

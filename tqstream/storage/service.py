@@ -99,7 +99,7 @@ class StorageService:
             )
             reply, _ = await conn.request(msg, timeout=30.0)
         finally:
-            await conn.close()
+            conn.close()
         self.unit = reply.unit
         return reply.unit
 
@@ -111,10 +111,11 @@ class StorageService:
         if self.segments is not None:
             self.segments.close()
 
-    def _released(self, chunk: int) -> None:
-        """Note the chunk; its segment is recycled or unlinked by ``handle`` once the store's
-        operation returned, so the chunk's tensors are gone (a spare must not be mapped here)."""
-        if self.segments is not None:
+    def _released(self, chunk: int, held: bool) -> None:
+        """Note the chunk if it may have a segment (it was stored through shared memory, or never
+        arrived); the segment is recycled or unlinked by ``handle`` once the store's operation
+        returned, so the chunk's tensors are gone (a spare must not be mapped here)."""
+        if self.segments is not None and (not held or self.segments.holds(chunk)):
             self._dropped.append(chunk)
 
     def _store(self, msg: Store, frames: list[Any]) -> Ok:

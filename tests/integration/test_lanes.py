@@ -1,0 +1,122 @@
+"""Sync calls of a client of other processes run on the calling thread, each thread on its own
+connections (``client/lanes.py``); an embedded client and calls made inside a running event loop
+use the IO thread."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import tqstream
+from tqstream.launch.processes import ProcessCluster
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[str]:
+    with ProcessCluster(1) as cluster:
+        yield cluster.address
+
+
+def lanes_of(client: tqstream.Client) -> dict[threading.Thread, object]:
+    assert client._lanes is not None
+    return dict(client._lanes._lanes)
+
+
+def roundtrip(client: tqstream.Client, partition: str, n: int) -> None:
+    for i in range(n):
+        client.put({"x": torch.full((4, 3), float(i))}, partition)
+        batch = client.get(partition, "x", 4, "t", timeout=10)
+        assert torch.equal(batch.data["x"], torch.full((4, 3), float(i)))
+        assert client.ack(batch.meta) == 4
+
+
+def test_each_thread_calls_on_its_own_connections(address: str) -> None:
+    with tqstream.connect(address) as client:
+        errors: list[BaseException] = []
+
+        def work(k: int) -> None:
+            try:
+                roundtrip(client, f"lanes-{k}", 20)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        lanes = lanes_of(client)
+        assert set(lanes) == set(threads)
+        assert len({id(lane.core) for lane in lanes.values()}) == 4  # type: ignore[attr-defined]
+        # the next thread's first call closes the lanes of the threads that are gone
+        later = threading.Thread(target=roundtrip, args=(client, "lanes-later", 1))
+        later.start()
+        later.join(60)
+        assert set(lanes_of(client)) == {later}
+        for lane in lanes.values():
+            assert lane.ctx.closed  # type: ignore[attr-defined]
+
+
+def test_close_from_another_thread_interrupts_a_blocked_call(address: str) -> None:
+    client = tqstream.connect(address)
+    client.create_partition("lanes-block", ["x"])
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.get_meta("lanes-block", "x", 1, "t")  # nothing comes: waits until closed
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    client.close()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert time.monotonic() - t0 < 5
+    assert len(raised) == 1 and isinstance(raised[0], tqstream.ClosedError)
+    assert not lanes_of(client)
+    with pytest.raises(tqstream.ClosedError, match="closed"):
+        client.stats()
+
+
+def test_sync_call_inside_a_running_loop_goes_through_the_io_thread(address: str) -> None:
+    with tqstream.connect(address) as client:
+
+        async def main() -> None:
+            roundtrip(client, "lanes-in-loop", 2)  # blocks this loop, but works
+
+        asyncio.run(main())
+        assert threading.current_thread() not in lanes_of(client)
+        roundtrip(client, "lanes-in-loop", 1)
+        assert threading.current_thread() in lanes_of(client)
+
+
+def test_keyboard_interrupt_leaves_the_lane_usable(address: str) -> None:
+    assert threading.current_thread() is threading.main_thread()
+    with tqstream.connect(address) as client:
+        client.create_partition("lanes-int", ["x"], tasks=["t"])
+        timer = threading.Timer(
+            0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)
+        )
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            client.get_meta("lanes-int", "x", 1, "t", lease_timeout=1.0)
+        timer.join()
+        # the interrupted request is gone; the same thread's next calls work
+        roundtrip(client, "lanes-int", 2)
+
+
+def test_embedded_client_has_no_lanes() -> None:
+    with tqstream.init(storage_units=1) as client:
+        assert client._lanes is None
+        roundtrip(client, "lanes-embedded", 1)
