@@ -3,7 +3,7 @@
 Many requests share one socket: each request carries a fresh ``rid`` and its reply echoes it, so
 replies may come back in any order (a parked ``get_meta`` is passed by later requests). Frame 0 of
 a message is the msgpack header (:mod:`tqstream.protocol.messages`); frames 1..n are tensor buffers,
-sent without copying from 64 KiB up (pyzmq's ``copy_threshold``) and received as ``zmq.Frame``\\ s
+sent without copying from ``COPY_THRESHOLD`` (256 KiB) up and received as ``zmq.Frame``\\ s
 whose memory the caller may keep (the storage unit stores received frames as they are).
 
 Failure handling is the point of this module. A server survives anything a peer sends: every
@@ -67,10 +67,18 @@ _ENDPOINTS = itertools.count()
 socket's endpoint asynchronously, so a reused name could still be taken."""
 
 
+COPY_THRESHOLD = 256 * 1024
+"""Frames smaller than this are copied into the message when sent (pyzmq's default: 64 KiB).
+A zero-copy send makes libzmq hand the buffer back through pyzmq's garbage-collector thread — a
+thread wake-up and a GIL hand-over per frame, which costs more than copying a few hundred KiB."""
+
+
 def _socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
     """A socket with the blocking API (also from a ``zmq.asyncio`` context), closed by
     ``ctx.destroy()`` like any other."""
-    return ctx.socket(kind, socket_class=zmq.Socket)
+    sock = ctx.socket(kind, socket_class=zmq.Socket)
+    sock.copy_threshold = COPY_THRESHOLD
+    return sock
 
 
 def _fd(sock: zmq.Socket[Any]) -> int:
