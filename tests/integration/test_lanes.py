@@ -1,6 +1,6 @@
-"""Sync calls of a client of other processes run on the calling thread, each thread on its own
-connections (``client/lanes.py``); an embedded client and calls made inside a running event loop
-use the IO thread."""
+"""Calls of a client of other processes run on the caller's thread (sync) or event loop (async),
+on connections of their own (``client/lanes.py``); an embedded client, sync calls made inside a
+running event loop and loops that cannot watch file descriptors use the IO thread."""
 
 from __future__ import annotations
 
@@ -26,6 +26,19 @@ def address() -> Iterator[str]:
 def lanes_of(client: tqstream.Client) -> dict[threading.Thread, object]:
     assert client._lanes is not None
     return dict(client._lanes._lanes)
+
+
+def loop_lanes_of(client: tqstream.Client) -> dict[asyncio.AbstractEventLoop, object]:
+    assert client._lanes is not None
+    return dict(client._lanes._loop_lanes)
+
+
+async def async_roundtrip(client: tqstream.Client, partition: str, n: int) -> None:
+    for i in range(n):
+        await client.async_put({"x": torch.full((4, 3), float(i))}, partition)
+        batch = await client.async_get(partition, "x", 4, "t", timeout=10)
+        assert torch.equal(batch.data["x"], torch.full((4, 3), float(i)))
+        assert await client.async_ack(batch.meta) == 4
 
 
 def roundtrip(client: tqstream.Client, partition: str, n: int) -> None:
@@ -120,3 +133,72 @@ def test_embedded_client_has_no_lanes() -> None:
     with tqstream.init(storage_units=1) as client:
         assert client._lanes is None
         roundtrip(client, "lanes-embedded", 1)
+
+
+def test_async_calls_run_on_the_callers_loop(address: str) -> None:
+    with tqstream.connect(address) as client:
+        loops = []
+
+        async def main() -> None:
+            loops.append(asyncio.get_running_loop())
+            # concurrent coroutines of one loop share its lane
+            await asyncio.gather(*(async_roundtrip(client, f"loop-{k}", 5) for k in range(4)))
+            assert list(loop_lanes_of(client)) == [loops[-1]]
+
+        asyncio.run(main())
+        first = loop_lanes_of(client)[loops[0]]
+        asyncio.run(main())  # a new loop: the lane of the ended one is closed
+        assert list(loop_lanes_of(client)) == [loops[1]]
+        assert first.ctx.closed  # type: ignore[attr-defined]
+        assert not lanes_of(client)  # no sync call was made
+
+
+def test_close_from_another_thread_fails_a_waiting_async_call(address: str) -> None:
+    client = tqstream.connect(address)
+    client.create_partition("loop-block", ["x"])
+    raised: list[BaseException] = []
+
+    async def wait() -> None:
+        try:
+            await client.async_get_meta("loop-block", "x", 1, "t")
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=asyncio.run, args=(wait(),))
+    waiter.start()
+    time.sleep(0.5)
+    client.close()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], tqstream.ClosedError)
+
+
+def test_close_inside_a_coroutine(address: str) -> None:
+    client = tqstream.connect(address)
+
+    async def main() -> None:
+        await async_roundtrip(client, "loop-close", 1)
+        lane = loop_lanes_of(client)[asyncio.get_running_loop()]
+        client.close()
+        assert lane.ctx.closed  # type: ignore[attr-defined]
+        with pytest.raises(tqstream.ClosedError):
+            await client.async_stats()
+
+    asyncio.run(main())
+
+
+class NoReaderLoop(asyncio.SelectorEventLoop):
+    """A loop that cannot watch file descriptors (like Windows' proactor loop)."""
+
+    def add_reader(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError
+
+
+def test_loop_without_add_reader_uses_the_io_thread(address: str) -> None:
+    with tqstream.connect(address) as client:
+        loop = NoReaderLoop()
+        try:
+            loop.run_until_complete(async_roundtrip(client, "loop-noreader", 2))
+            assert loop_lanes_of(client)[loop].unsupported  # type: ignore[attr-defined]
+        finally:
+            loop.close()

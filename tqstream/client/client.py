@@ -108,7 +108,7 @@ class Client:
             raise
         # sync calls of a client of other processes run on the caller's thread (lanes.py)
         release = functools.partial(_release_on, self._io, self._core)  # no reference to self
-        self._lanes = Lanes(address, self.config, release) if io is None else None
+        self._lanes = Lanes(address, self.config, release, self._io.loop) if io is None else None
         self._finalizer = weakref.finalize(
             self, _finalize, self._io if self._owns_io else None, self._core, on_close,
             None, self._lanes,
@@ -145,7 +145,7 @@ class Client:
             )
 
     def _sync(self, method: Callable[..., Any], *args: Any) -> Any:
-        """``method(core, *args)`` (a ``ClientCore`` coroutine function): on this thread's lane
+        """``method(core, *args)`` (a ``ClientCore`` coroutine function) on this thread's lane
         when the client has lanes, else on the IO thread."""
         self._check()
         lane = self._lanes.enter() if self._lanes is not None else None
@@ -157,8 +157,13 @@ class Client:
             self._lanes.leave(lane)  # type: ignore[union-attr]
 
     async def _async(self, method: Callable[..., Any], *args: Any) -> Any:
+        """``method(core, *args)`` on the running loop's lane when the client has lanes, else on
+        the IO thread."""
         self._check()
-        return await self._io.arun(method(self._core, *args))
+        core = None if self._lanes is None else await self._lanes.core()
+        if core is None:
+            return await self._io.arun(method(self._core, *args))
+        return await method(core, *args)
 
     # --- put ---
     def _encode_put(

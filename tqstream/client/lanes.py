@@ -1,15 +1,21 @@
-"""Sync calls of a remote client, run on the calling thread.
+"""Calls of a remote client, run on the caller's thread or loop.
 
-A client's sockets normally live on its IO thread (``loop.py``), and a sync call waits there. That
+A client's sockets normally live on its IO thread (``loop.py``), and a call waits there. That
 costs two thread hand-overs per call (caller → IO thread → caller), as much as the network
-exchange itself on a small machine. So each thread that makes sync calls gets a *lane*: its own
-asyncio loop, ZMQ context and :class:`ClientCore`, driven by that thread for the length of a
-call. Between calls nothing runs on a lane: ZMQ keeps the connections (heartbeats included) on its
-own I/O thread, and the connection events that queued are taken in before the next call.
+exchange itself on a small machine. So callers get *lanes* of their own: their own ZMQ context and
+:class:`ClientCore` (connections to the controller and units).
+
+- A thread that makes sync calls gets a :class:`Lane`: a private asyncio loop driven by that thread
+  for the length of a call. Between calls nothing runs on it: ZMQ keeps the connections
+  (heartbeats included) on its own I/O thread, and the connection events that queued are taken in
+  before the next call.
+- An event loop on which ``async_`` methods are awaited gets a :class:`LoopLane`: a core whose
+  sockets that loop watches, so an async call never leaves the caller's loop.
 
 Lanes are used by clients of a cluster in other processes. An embedded client keeps the IO
-thread: its servers run there, and a lane would put every exchange across threads. Calls made
-from inside a running event loop keep it too (a lane cannot run in a thread that runs a loop).
+thread: its servers run there, and a lane would put every exchange across threads. A sync call
+made inside a running event loop uses the IO thread too (a lane cannot run in a thread that runs a
+loop), as does an async call on a loop that cannot watch file descriptors.
 """
 
 from __future__ import annotations
@@ -68,26 +74,98 @@ class Lane:
         self.loop.close()
 
 
+class LoopLane:
+    """One event loop's context and core, opened on that loop by the first call that needs it."""
+
+    def __init__(self, address: str, config: ClientConfig) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.ctx = zmq.Context[Any]()
+        self._address, self._config = address, config
+        self._opening: asyncio.Task[ClientCore] | None = None
+        self.unsupported = False  # the loop cannot watch file descriptors (add_reader)
+
+    async def core(self, release: Callable[[BatchMeta], None]) -> ClientCore:
+        """The lane's core; a failed open is retried by the next call."""
+        task = self._opening
+        if task is None or (task.done() and task.exception() is not None):
+            task = self._opening = self.loop.create_task(
+                ClientCore.open(self._address, self._config, self.ctx),
+                name="tqstream-client-open-lane",
+            )
+        core = await asyncio.shield(task)
+        core.release_elsewhere = release
+        return core
+
+    def close(self) -> None:
+        """Close the sockets on the lane's loop: now when that is possible from here (this is
+        the loop's thread, or the loop does not run), else as the loop's next callback."""
+        if self.loop.is_closed() or not self.loop.is_running() or _running() is self.loop:
+            self._close_now()
+        else:
+            with contextlib.suppress(RuntimeError):  # closed since: nothing runs on it any more
+                self.loop.call_soon_threadsafe(self._close_now)
+
+    def _close_now(self) -> None:
+        task = self._opening
+        if task is not None:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().close()
+            elif not task.done():
+                task.cancel()
+        self.ctx.destroy(linger=0)
+
+
+def _running() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class Lanes:
-    """The lanes of one client, by thread; ``release`` sends a lease to the IO thread's core
-    (what a failed get gives back must not wait for this thread's next call)."""
+    """The lanes of one client, by thread and by event loop; ``release`` sends a lease to the IO
+    thread's core (what a failed get gives back must not wait for a lane's next call)."""
 
     def __init__(
-        self, address: str, config: ClientConfig, release: Callable[[BatchMeta], None]
+        self,
+        address: str,
+        config: ClientConfig,
+        release: Callable[[BatchMeta], None],
+        io_loop: asyncio.AbstractEventLoop,
     ) -> None:
         self._address, self._config, self._release = address, config, release
+        self._io_loop = io_loop
         self._lock = threading.Lock()
         self._lanes: dict[threading.Thread, Lane] = {}
+        self._loop_lanes: dict[asyncio.AbstractEventLoop, LoopLane] = {}
         self._closed = False
+
+    async def core(self) -> ClientCore | None:
+        """The core of the running loop's lane; None when the call must go to the IO thread."""
+        loop = asyncio.get_running_loop()
+        if loop is self._io_loop:
+            return None
+        with self._lock:
+            self._check()
+            lane = self._loop_lanes.get(loop)
+            if lane is None:
+                lane = self._loop_lanes[loop] = LoopLane(self._address, self._config)
+                gone = [o for o in self._loop_lanes if o.is_closed()]
+                for old in gone:  # loops that ended (e.g. one asyncio.run per step)
+                    self._loop_lanes.pop(old).close()
+        if lane.unsupported:
+            return None
+        try:
+            return await lane.core(self._release)
+        except NotImplementedError:  # e.g. a proactor loop: no add_reader
+            lane.unsupported = True
+            return None
 
     def enter(self) -> Lane | None:
         """The calling thread's lane, marked busy; None when the call must go to the IO thread
         (a loop runs in this thread, or this thread is already inside a call)."""
-        try:
-            asyncio.get_running_loop()
+        if _running() is not None:
             return None
-        except RuntimeError:
-            pass
         me = threading.current_thread()
         with self._lock:
             self._check()
@@ -120,8 +198,8 @@ class Lanes:
             lane.close()
 
     def close(self) -> None:
-        """Close idle lanes now; a busy one is interrupted (its call raises ``ClosedError``) and
-        closes when its call returns."""
+        """Close idle thread lanes now; a busy one is interrupted (its call raises
+        ``ClosedError``) and closes when its call returns. Loop lanes close on their loops."""
         with self._lock:
             self._closed = True
             lanes = list(self._lanes.values())
@@ -130,8 +208,12 @@ class Lanes:
             for lane in lanes:
                 if lane.busy:
                     lane.loop.call_soon_threadsafe(lane.core.close)
+            loop_lanes = list(self._loop_lanes.values())
+            self._loop_lanes.clear()
         for lane in idle:
             lane.close()
+        for loop_lane in loop_lanes:
+            loop_lane.close()
 
     def _check(self) -> None:
         if self._closed:
