@@ -106,7 +106,7 @@ class Client:
             if on_close is not None:
                 on_close()
             raise
-        # sync calls of a client of other processes run on the caller's thread (lanes.py)
+        # calls of a client of other processes run on the caller's thread or loop (lanes.py)
         release = functools.partial(_release_on, self._io, self._core)  # no reference to self
         self._lanes = Lanes(address, self.config, release, self._io.loop) if io is None else None
         self._finalizer = weakref.finalize(
@@ -148,13 +148,13 @@ class Client:
         """``method(core, *args)`` (a ``ClientCore`` coroutine function) on this thread's lane
         when the client has lanes, else on the IO thread."""
         self._check()
-        lane = self._lanes.enter() if self._lanes is not None else None
-        if lane is None:
-            return self._io.run(method(self._core, *args))
-        try:
-            return lane.run(method(lane.core, *args))
-        finally:
-            self._lanes.leave(lane)  # type: ignore[union-attr]
+        lanes = self._lanes
+        if lanes is not None and (lane := lanes.enter()) is not None:
+            try:
+                return lane.run(method(lane.core, *args))
+            finally:
+                lanes.leave(lane)
+        return self._io.run(method(self._core, *args))
 
     async def _async(self, method: Callable[..., Any], *args: Any) -> Any:
         """``method(core, *args)`` on the running loop's lane when the client has lanes, else on

@@ -382,7 +382,7 @@ class Server:
     def _send(self, identity: bytes, msg: Any, buffers: Sequence[Any]) -> None:
         if self._closed:
             return
-        # copy=False: pyzmq still copies frames under its copy_threshold (64 KiB). With SNDHWM 0
+        # copy=False: pyzmq still copies frames under COPY_THRESHOLD. With SNDHWM 0
         # a ROUTER send never blocks; what goes wrong (a buffer that is not a buffer) raises here,
         # to the code that answered.
         self._sock.send_multipart([identity, encode(msg), *buffers], zmq.NOBLOCK, copy=False)
