@@ -147,10 +147,33 @@ def test_async_calls_run_on_the_callers_loop(address: str) -> None:
 
         asyncio.run(main())
         first = loop_lanes_of(client)[loops[0]]
-        asyncio.run(main())  # a new loop: the lane of the ended one is closed
-        assert list(loop_lanes_of(client)) == [loops[1]]
-        assert first.ctx.closed  # type: ignore[attr-defined]
+        core = first._opening.result()  # type: ignore[attr-defined]
+        # a new loop (e.g. one asyncio.run per step) takes over the ended loop's connections
+        asyncio.run(main())
+        assert loop_lanes_of(client) == {loops[1]: first}
+        assert first._opening.result() is core  # type: ignore[attr-defined]
+        assert not first.ctx.closed  # type: ignore[attr-defined]
         assert not lanes_of(client)  # no sync call was made
+
+
+def test_lanes_of_ended_loops_beyond_the_one_taken_over_are_closed(address: str) -> None:
+    with tqstream.connect(address) as client:
+        loops = [asyncio.new_event_loop() for _ in range(3)]
+        loops[0].run_until_complete(async_roundtrip(client, "loop-ended-0", 1))
+        # the second loop ends with a get still waiting at the controller
+        client.create_partition("loop-ended-1", ["x"])
+        waiting = loops[1].create_task(client.async_get_meta("loop-ended-1", "x", 1, "t"))
+        loops[1].run_until_complete(asyncio.sleep(0.3))
+        assert not waiting.done()
+        lanes = [loop_lanes_of(client)[loop] for loop in loops[:2]]
+        for loop in loops[:2]:
+            loop.close()
+        try:
+            loops[2].run_until_complete(async_roundtrip(client, "loop-ended-2", 1))
+        finally:
+            loops[2].close()
+        assert loop_lanes_of(client) == {loops[2]: lanes[0]}
+        assert lanes[1].ctx.closed  # type: ignore[attr-defined]
 
 
 def test_close_from_another_thread_fails_a_waiting_async_call(address: str) -> None:

@@ -180,6 +180,16 @@ class ClientCore:
         if self._owns_ctx:
             self.ctx.destroy(linger=0)
 
+    def move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run on ``loop`` from now on (call on it): the loop the core ran on is closed."""
+        self.controller.move_to(loop)
+        for index, task in list(self._units.items()):
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().move_to(loop)
+            else:  # an open cut short when the old loop closed: open again when needed
+                del self._units[index]
+        self._background.clear()
+
     def check_links(self) -> None:
         """Take in the connection events that queued while the loop was not running (a core
         driven only during calls), so a request is not failed for a drop that is already over."""

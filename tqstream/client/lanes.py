@@ -84,6 +84,16 @@ class LoopLane:
         self._opening: asyncio.Task[ClientCore] | None = None
         self.unsupported = False  # the loop cannot watch file descriptors (add_reader)
 
+    def move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve ``loop`` (call on it) with the connections of this lane's closed loop: a new
+        loop per step (``asyncio.run``) then costs no new context and no new handshakes."""
+        self.loop = loop
+        task = self._opening
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+            task.result().move_to(loop)
+        else:
+            self._opening = None
+
     async def core(self, release: Callable[[BatchMeta], None]) -> ClientCore:
         """The lane's core; a failed open is retried by the next call."""
         task = self._opening
@@ -149,10 +159,19 @@ class Lanes:
             self._check()
             lane = self._loop_lanes.get(loop)
             if lane is None:
-                lane = self._loop_lanes[loop] = LoopLane(self._address, self._config)
-                gone = [o for o in self._loop_lanes if o.is_closed()]
-                for old in gone:  # loops that ended (e.g. one asyncio.run per step)
-                    self._loop_lanes.pop(old).close()
+                # loops that ended (e.g. one asyncio.run per step): the first lane that works
+                # moves to this loop, the others close
+                gone = [self._loop_lanes.pop(o) for o in list(self._loop_lanes) if o.is_closed()]
+                usable = [g for g in gone if not g.unsupported]
+                if usable:
+                    lane = usable.pop(0)
+                    lane.move_to(loop)
+                else:
+                    lane = LoopLane(self._address, self._config)
+                self._loop_lanes[loop] = lane
+                for old in gone:
+                    if old is not lane:
+                        old.close()
         if lane.unsupported:
             return None
         try:

@@ -582,6 +582,18 @@ class Connection:
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
+    def move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch the sockets from ``loop`` instead; the old loop is closed, so nothing else uses
+        them. Requests sent from the old loop have nobody waiting any more: forgotten."""
+        self._pending.clear()
+        self._grace.clear()
+        self._loop = loop
+        if self._closed or self._broken is not None:
+            return
+        loop.add_reader(self._fds[0], self._guard, self._read)
+        loop.add_reader(self._fds[1], self._guard, self._watch)
+        loop.call_soon(self._guard, self._watch)
+
     def check_link(self) -> None:
         """Handle the monitor's waiting connection events now (``ClientCore.check_links``)."""
         self._guard(self._watch)
@@ -651,7 +663,8 @@ class Connection:
 
     def _fail_all(self, cls: type[TQStreamError], text: str, only: int | None = None) -> None:
         for rid, (fut, op) in list(self._pending.items()):
-            if not fut.done() and only in (None, rid):
+            # a future of a closed loop has nobody waiting (and cannot take a result any more)
+            if not fut.done() and only in (None, rid) and not fut.get_loop().is_closed():
                 what, timeout = f"{op} (request {rid})", self._connect_timeout
                 message = text.format(address=self.address, what=what, timeout=timeout)
                 fut.set_exception(cls(message, address=self.address, op=op, rid=rid))
