@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import msgspec
@@ -596,3 +598,22 @@ def test_to_tensordict_all_empty_rows_and_zero_rows():
     assert to_tensordict(0, empty, padded=True)["r"].shape == (0, 0, 2)
     with pytest.raises(BatchShapeError, match=r"^field 'd': has 4 rows, expected 3$"):
         to_tensordict(3, cols)
+
+
+def test_read_only_frames_raise_no_warning() -> None:
+    """Received frames are read-only: decoding them never shows torch's non-writable warning,
+    neither for the first frame of a process nor later ones (torch warns once per process)."""
+    code = """
+import warnings
+import torch
+from tqstream.protocol.codec import column_from_wire, column_to_wire, columns_from_data
+warnings.simplefilter("error")
+_, cols = columns_from_data({"x": torch.arange(6).view(3, 2)})
+ref, bufs = column_to_wire("x", cols["x"], 1)
+for _ in range(3):
+    got = column_from_wire(ref, [b"", bytes(bufs[0])])  # bytes: read-only, like a received frame
+    assert got.values.tolist() == [[0, 1], [2, 3], [4, 5]]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -354,18 +354,31 @@ def _arrow_column(kind: str, array: pa.Array) -> Column:
     return Column(FieldSchema("object", kind), values, offsets)
 
 
+_READONLY_SEEN = False
+"""Whether torch has been handed a read-only buffer in this process (see ``_frombuffer``)."""
+
+
 def _frombuffer(buffer: Any, dtype: torch.dtype, count: int = -1) -> torch.Tensor:
     """``torch.frombuffer`` (the tensor keeps ``buffer`` alive), also for zero-byte buffers.
 
     Read-only buffers (received frames) are expected, columns being read-only by contract, so
-    torch's non-writable-buffer warning is silenced. torch emits it once per process, so this also
-    hides it from later, unrelated ``frombuffer`` calls.
+    torch's non-writable-buffer warning is silenced. torch emits it once per process, so only the
+    first read-only buffer needs the (costly, process-wide) warning filter; this also hides the
+    warning from later, unrelated ``frombuffer`` calls.
     """
-    if count == 0 or buffer is None or memoryview(buffer).nbytes == 0:
+    global _READONLY_SEEN
+    if count == 0 or buffer is None:
         return torch.empty(0, dtype=dtype)
+    view = memoryview(buffer)
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    if _READONLY_SEEN or not view.readonly:
+        return torch.frombuffer(buffer, dtype=dtype, count=count)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(buffer, dtype=dtype, count=count)
+        t = torch.frombuffer(buffer, dtype=dtype, count=count)
+    _READONLY_SEEN = True
+    return t
 
 
 # --- wire ----------------------------------------------------------------------------------------
