@@ -224,7 +224,7 @@ def test_garbage_gets_malformed_reply_and_server_keeps_serving() -> None:
         async with serving() as (server, _, ctx):
             reply = await raw_request(ctx, server.address, [b"\xc1 not msgpack"])
             assert reply.code == "malformed" and reply.rid == 0
-            assert "is not a tqstream protocol 1 request" in reply.message
+            assert f"is not a tqstream protocol {PROTOCOL_VERSION} request" in reply.message
             bad = msgspec.msgpack.encode({"op": "get_stats", "rid": 7, "partition": 3})
             reply = await raw_request(ctx, server.address, [bad])
             assert reply.code == "malformed" and reply.rid == 7
