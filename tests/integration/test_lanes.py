@@ -226,3 +226,21 @@ def test_loop_without_add_reader_uses_the_io_thread(address: str) -> None:
             assert loop_lanes_of(client)[loop].unsupported  # type: ignore[attr-defined]
         finally:
             loop.close()
+
+
+def test_a_failed_get_on_a_lane_gives_its_lease_back() -> None:
+    """The fetch of a sync get fails (its storage unit died): the lease is released through the
+    IO thread at once, not at the lane's next call or at lease expiry."""
+    with ProcessCluster(1) as cluster:
+        cfg = tqstream.ClientConfig(connect_timeout=2.0)
+        with tqstream.connect(cluster.address, cfg) as client:
+            client.put({"x": torch.arange(4)}, "dead-unit")
+            cluster.procs[1].kill()
+            cluster.procs[1].wait()
+            with pytest.raises((tqstream.ConnectionLostError, tqstream.ConnectError)):
+                client.get("dead-unit", "x", 4, "t", lease_timeout=300)
+            # the rows are available to the task again long before the lease would expire (asked
+            # by another client: this thread's lane does not run until its next call)
+            with tqstream.connect(cluster.address, cfg) as other:
+                meta = other.get_meta("dead-unit", "x", 4, "t", timeout=5)
+                assert len(meta) == 4

@@ -43,13 +43,15 @@ CLOSED = (
 class Lane:
     """One thread's loop, context and core. ``busy`` is guarded by the owning :class:`Lanes`."""
 
-    def __init__(self, address: str, config: ClientConfig) -> None:
+    def __init__(
+        self, address: str, config: ClientConfig, release: Callable[[BatchMeta], None]
+    ) -> None:
         self.thread = threading.current_thread()
         self.busy = False
         self.loop = asyncio.new_event_loop()
         self.ctx = zmq.Context[Any]()
         try:
-            self.core = self.loop.run_until_complete(ClientCore.open(address, config, self.ctx))
+            self.core = self.loop.run_until_complete(_open(address, config, self.ctx, release))
         except BaseException:
             self.ctx.destroy(linger=0)
             self.loop.close()
@@ -77,10 +79,12 @@ class Lane:
 class LoopLane:
     """One event loop's context and core, opened on that loop by the first call that needs it."""
 
-    def __init__(self, address: str, config: ClientConfig) -> None:
+    def __init__(
+        self, address: str, config: ClientConfig, release: Callable[[BatchMeta], None]
+    ) -> None:
         self.loop = asyncio.get_running_loop()
         self.ctx = zmq.Context[Any]()
-        self._address, self._config = address, config
+        self._address, self._config, self._release = address, config, release
         self._opening: asyncio.Task[ClientCore] | None = None
         self.unsupported = False  # the loop cannot watch file descriptors (add_reader)
 
@@ -94,17 +98,15 @@ class LoopLane:
         else:
             self._opening = None
 
-    async def core(self, release: Callable[[BatchMeta], None]) -> ClientCore:
+    async def core(self) -> ClientCore:
         """The lane's core; a failed open is retried by the next call."""
         task = self._opening
         if task is None or (task.done() and task.exception() is not None):
             task = self._opening = self.loop.create_task(
-                ClientCore.open(self._address, self._config, self.ctx),
+                _open(self._address, self._config, self.ctx, self._release),
                 name="tqstream-client-open-lane",
             )
-        core = await asyncio.shield(task)
-        core.release_elsewhere = release
-        return core
+        return await asyncio.shield(task)
 
     def close(self) -> None:
         """Close the sockets on the lane's loop: now when that is possible from here (this is
@@ -123,6 +125,16 @@ class LoopLane:
             elif not task.done():
                 task.cancel()
         self.ctx.destroy(linger=0)
+
+
+async def _open(
+    address: str, config: ClientConfig, ctx: zmq.Context[Any], release: Callable[[BatchMeta], None]
+) -> ClientCore:
+    """A lane's core: its loop runs only during calls (or may end), so a lease it gives back goes
+    through ``release`` (the IO thread) instead of a background task of its own."""
+    core = await ClientCore.open(address, config, ctx)
+    core.release_elsewhere = release
+    return core
 
 
 def _running() -> asyncio.AbstractEventLoop | None:
@@ -167,7 +179,7 @@ class Lanes:
                     lane = usable.pop(0)
                     lane.move_to(loop)
                 else:
-                    lane = LoopLane(self._address, self._config)
+                    lane = LoopLane(self._address, self._config, self._release)
                 self._loop_lanes[loop] = lane
                 for old in gone:
                     if old is not lane:
@@ -175,7 +187,7 @@ class Lanes:
         if lane.unsupported:
             return None
         try:
-            return await lane.core(self._release)
+            return await lane.core()
         except NotImplementedError:  # e.g. a proactor loop: no add_reader
             lane.unsupported = True
             return None
@@ -194,8 +206,7 @@ class Lanes:
                     return None
                 lane.busy = True
                 return lane
-        lane = Lane(self._address, self._config)  # outside the lock: a handshake
-        lane.core.release_elsewhere = self._release
+        lane = Lane(self._address, self._config, self._release)  # outside the lock: a handshake
         lane.busy = True
         with self._lock:
             closed = self._closed
