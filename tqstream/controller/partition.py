@@ -232,12 +232,26 @@ class Partition:
                     rows=have + c,
                 )
 
-    def commit_rows(self, rows: Iterable[Row], mask: int) -> None:
-        """Make pending rows visible with the fields of ``mask`` written."""
-        for r in rows:
+    def commit_rows(self, rows: Sequence[Row], mask: int) -> None:
+        """Make pending rows visible with the fields of ``mask`` written. Pending rows are new to
+        every task and every view, so each view they complete takes them in one update."""
+        first = self.seq + 1
+        self.seq += len(rows)
+        self.committed += len(rows)
+        for seq, r in enumerate(rows, first):
             r.committed = True
-            self.committed += 1
-            self._write(r, mask)
+            r.written = mask
+            r.ready_seq = seq
+            r.writes.append((mask, seq))
+        self._count(mask, len(rows))
+        for (_, vmask), v in self.views.items():
+            if mask & vmask == vmask:
+                v.add_new({r.id: r.ready_seq for r in rows})
+        for (_, vmask), gv in self.group_views.items():
+            if mask & vmask == vmask:
+                for r in rows:
+                    key, size = self._group_of(r)
+                    gv.add(key, size, r.ready_seq)
 
     def commit_fields(self, rows: Iterable[Row], mask: int) -> None:
         for r in rows:
@@ -250,9 +264,7 @@ class Partition:
         self.seq += 1
         r.ready_seq = self.seq
         r.writes.append((mask, self.seq))
-        for name, bit in self.bits.items():
-            if mask & bit:
-                self.written_count[name] = self.written_count.get(name, 0) + 1
+        self._count(mask, 1)
         for (task, vmask), v in self.views.items():
             if (old & vmask) != vmask and (new & vmask) == vmask and self._available(r, task):
                 v.add(r.id, r.ready_seq)
@@ -260,6 +272,12 @@ class Partition:
             if (old & vmask) != vmask and (new & vmask) == vmask and self._available(r, task):
                 key, size = self._group_of(r)
                 gv.add(key, size, r.ready_seq)
+
+    def _count(self, mask: int, n: int) -> None:
+        """``n`` more (fewer, when negative) committed rows have the fields of ``mask``."""
+        for name, bit in self.bits.items():
+            if mask & bit:
+                self.written_count[name] = self.written_count.get(name, 0) + n
 
     def _available(self, r: Row, task: str) -> bool:
         t = self.tasks.get(task)
@@ -284,37 +302,41 @@ class Partition:
 
     def remove_rows(self, row_ids: Iterable[int]) -> list[Row]:
         """Delete rows (clear or abort); returns the rows that existed."""
-        removed = []
-        for rid in row_ids:
-            r = self.rows.pop(rid, None)
-            if r is None:
-                continue
-            removed.append(r)
+        removed = [r for rid in row_ids if (r := self.rows.pop(rid, None)) is not None]
+        if not removed:
+            return removed
+        written: dict[int, int] = {}  # fields mask of committed rows -> how many
+        for r in removed:
             del self.keys[r.key]
             if r.committed:
-                self.committed -= 1
-                for name, bit in self.bits.items():
-                    if r.written & bit:
-                        self.written_count[name] -= 1
-            for (task, vmask), gv in self.group_views.items():
+                written[r.written] = written.get(r.written, 0) + 1
+        for mask, n in written.items():
+            self.committed -= n
+            self._count(mask, -n)
+        for (task, vmask), gv in self.group_views.items():
+            for r in removed:
                 if r.committed and (r.written & vmask) == vmask and self._available(r, task):
                     key, size = self._group_of(r)
                     gv.remove(key, size)
-            for v in self.views.values():
-                v.forget(rid)
-            for t in self.tasks.values():
-                t.leased.pop(rid, None)
-                t.acked.discard(rid)
+        ids = [r.id for r in removed]
+        for v in self.views.values():
+            v.forget(ids)
+        for t in self.tasks.values():
+            if t.leased:
+                for rid in ids:
+                    t.leased.pop(rid, None)
+            t.acked.difference_update(ids)
+        for r in removed:
             if r.group is not None:
                 g = self.groups[r.group]
-                g.members.remove(rid)
+                g.members.remove(r.id)
                 if not g.members:
                     del self.groups[r.group]
                     for gv in self.group_views.values():
                         gv.forget(r.group)
             else:
                 for gv in self.group_views.values():
-                    gv.forget(rid)
+                    gv.forget(r.id)
         return removed
 
     # --- consumption ---
@@ -326,9 +348,17 @@ class Partition:
 
     def lease(self, task: str, rows: Sequence[int], lease_id: int) -> None:
         t = self.task(task)
-        for rid in rows:
-            self._unavailable(self.rows[rid], task)
-            t.leased[rid] = lease_id
+        for (vtask, _), v in self.views.items():
+            if vtask == task:
+                v.remove(rows)
+        for (vtask, vmask), gv in self.group_views.items():
+            if vtask == task:
+                for rid in rows:
+                    r = self.rows[rid]
+                    if (r.written & vmask) == vmask:
+                        key, size = self._group_of(r)
+                        gv.remove(key, size)
+        t.leased.update(dict.fromkeys(rows, lease_id))
 
     def ack(self, task: str, rows: Iterable[int]) -> int:
         t = self.task(task)
@@ -347,15 +377,6 @@ class Partition:
                 self._now_available(self.rows[rid], task)
                 n += 1
         return n
-
-    def _unavailable(self, r: Row, task: str) -> None:
-        for (vtask, _), v in self.views.items():
-            if vtask == task:
-                v.remove(r.id)
-        for (vtask, vmask), gv in self.group_views.items():
-            if vtask == task and (r.written & vmask) == vmask:
-                key, size = self._group_of(r)
-                gv.remove(key, size)
 
     def _now_available(self, r: Row, task: str) -> None:
         for (vtask, vmask), v in self.views.items():

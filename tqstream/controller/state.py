@@ -520,9 +520,11 @@ class ControllerState(FlowControl):
         if not lease.rows:
             self._end_lease(lease, "acked")
         if p.registered and task in p.registered:  # free rows every registered task consumed
-            tasks = [p.tasks.get(t) for t in p.registered]
-            done = [r for r in rows if all(t is not None and r in t.acked for t in tasks)]
-            p.freed += len(self._evict(p, done, self.outbox))
+            others = [p.tasks.get(t) for t in p.registered if t != task]
+            if all(t is not None for t in others):
+                acked = [t.acked for t in others]  # type: ignore[union-attr]
+                done = [r for r in rows if all(r in a for a in acked)] if acked else rows
+                p.freed += len(self._evict(p, done, self.outbox))
         return n
 
     def release(
@@ -561,6 +563,8 @@ class ControllerState(FlowControl):
             )
         if p is None or status == "cleared" or lease_id < p.born:
             return None, None
+        if lease is not None and lease.rows.issuperset(row_ids):
+            return lease, p
         t = p.tasks.get(task)
         acked = t.acked if t is not None else set()
         live = [r for r in row_ids if r in p.rows]
@@ -592,12 +596,13 @@ class ControllerState(FlowControl):
 
     def _evict(self, p: Partition, row_ids: list[int], effects: Effects) -> list[Row]:
         """Delete committed rows for every task and order their storage freed."""
-        removed = p.remove_rows([r for r in row_ids if r in p.rows and p.rows[r].committed])
+        rows = p.rows
+        removed = p.remove_rows([r for r in row_ids if r in rows and rows[r].committed])
         for r in removed:
             self.unit_bytes[r.unit] -= r.nbytes
             effects.drop_rows.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
-        ids = {r.id for r in removed}
-        if ids:
+        if removed:
+            ids = {r.id for r in removed}
             for lease in list(self.leases.values()):
                 if lease.partition == p.name and lease.rows & ids:
                     lease.rows -= ids

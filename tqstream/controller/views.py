@@ -12,7 +12,7 @@ its old place in the order instead of the end.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from sortedcontainers import SortedDict
 
@@ -38,15 +38,26 @@ class ReadyView:
         """Make ``row`` available; ``seq`` orders it unless it entered this view before."""
         self.ready[self.seq_of.setdefault(row, seq)] = row
 
-    def remove(self, row: int) -> None:
-        seq = self.seq_of.get(row)
-        if seq is not None:
-            self.ready.pop(seq, None)
+    def add_new(self, entries: dict[int, int]) -> None:
+        """Rows that never entered this view (row -> seq), in one update."""
+        self.seq_of.update(entries)
+        self.ready.update({seq: row for row, seq in entries.items()})
 
-    def forget(self, row: int) -> None:
-        seq = self.seq_of.pop(row, None)
-        if seq is not None:
-            self.ready.pop(seq, None)
+    def remove(self, rows: Iterable[int]) -> None:
+        """The rows are no longer available (leased); they keep their place for a release."""
+        seq_of, ready = self.seq_of, self.ready
+        for row in rows:
+            seq = seq_of.get(row)
+            if seq is not None:
+                ready.pop(seq, None)
+
+    def forget(self, rows: Iterable[int]) -> None:
+        """The rows are gone."""
+        seq_of, ready = self.seq_of, self.ready
+        for row in rows:
+            seq = seq_of.pop(row, None)
+            if seq is not None:
+                ready.pop(seq, None)
 
     def oldest(self, n: int) -> list[int]:
         return [self.ready[s] for s in self.ready.islice(0, n)]
