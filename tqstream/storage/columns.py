@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -151,8 +152,8 @@ class ColumnStore:
                     field=name,
                 )
             held = part.fields.get(name, {})
-            clash = [r for r in row_ids if r in held]
-            if clash:
+            if held and not held.keys().isdisjoint(row_ids):
+                clash = [r for r in row_ids if r in held]
                 raise FieldExistsError(
                     f"{where}: field {name!r} is already stored for {len(clash)} of its {n} rows "
                     f"(row ids {_some(clash)}); a field is written once per row, put_fields may "
@@ -165,8 +166,12 @@ class ColumnStore:
         for name, col in columns.items():
             part.schemas[name] = col.schema
             part.fields.setdefault(name, {}).update(dict.fromkeys(row_ids, chunk))
-        for row in row_ids:
-            part.rows.setdefault(row, []).append(chunk)
+        rows = part.rows
+        if rows.keys().isdisjoint(row_ids):  # new rows (a put), not fields added to old ones
+            rows.update((row, [chunk]) for row in row_ids)
+        else:
+            for row in row_ids:
+                rows.setdefault(row, []).append(chunk)
         part.chunks[chunk_id] = chunk
         self._chunks[chunk_id] = chunk
         self._bytes += chunk.nbytes
@@ -181,16 +186,21 @@ class ColumnStore:
         """
         part = self._partitions.get(partition)
         out: dict[str, Column] = {}
+        plans: list[tuple[list[_Chunk], _Plan]] = []  # fields of one put share their chunks
         for name in fields:
             held = part.fields.get(name) if part is not None else None
             if not held:
                 raise self._unknown(partition, name, list(row_ids), len(row_ids))
             chunks = [held.get(r) for r in row_ids]
-            if None in chunks:
-                missing = [r for r, c in zip(row_ids, chunks, strict=True) if c is None]
-                raise self._unknown(partition, name, missing, len(row_ids))
+            plan = next((p for c, p in plans if c == chunks), None)
+            if plan is None:
+                if None in chunks:
+                    missing = [r for r, c in zip(row_ids, chunks, strict=True) if c is None]
+                    raise self._unknown(partition, name, missing, len(row_ids))
+                plan = _Plan(row_ids, chunks)  # type: ignore[arg-type]
+                plans.append((chunks, plan))  # type: ignore[arg-type]
             assert part is not None
-            out[name] = _gather(name, part.schemas[name], row_ids, chunks)  # type: ignore[arg-type]
+            out[name] = plan.gather(name, part.schemas[name])
         return out
 
     def drop_rows(self, partition: str, row_ids: Iterable[int]) -> int:
@@ -199,15 +209,18 @@ class ColumnStore:
         if part is None:
             return 0
         dropped = 0
+        by_chunk: dict[_Chunk, list[int]] = {}
         for row in dict.fromkeys(row_ids):
             chunks = part.rows.pop(row, None)
             if chunks is None:
                 continue
             dropped += 1
             for chunk in chunks:
-                self._unindex(part, chunk, row)
-                if not chunk.positions:
-                    self._release(part, chunk)
+                by_chunk.setdefault(chunk, []).append(row)
+        for chunk, rows in by_chunk.items():
+            self._unindex(part, chunk, rows)
+            if not chunk.positions:
+                self._release(part, chunk)
         return dropped
 
     def drop_chunks(self, chunk_ids: Iterable[int]) -> None:
@@ -221,8 +234,9 @@ class ColumnStore:
                 self._on_release(chunk_id, False)
                 continue
             part = self._partitions[chunk.partition]
-            for row in list(chunk.positions):
-                self._unindex(part, chunk, row)
+            rows = list(chunk.positions)
+            self._unindex(part, chunk, rows)
+            for row in rows:
                 chunks = part.rows[row]
                 chunks.remove(chunk)
                 if not chunks:
@@ -249,11 +263,14 @@ class ColumnStore:
                 self._on_release(chunk.id, True)
 
     # --- internals --------------------------------------------------------------------------------
-    def _unindex(self, part: _Partition, chunk: _Chunk, row: int) -> None:
-        del chunk.positions[row]
+    def _unindex(self, part: _Partition, chunk: _Chunk, rows: list[int]) -> None:
+        positions = chunk.positions
+        for row in rows:
+            del positions[row]
         for name in chunk.columns:
             held = part.fields[name]
-            del held[row]
+            for row in rows:
+                del held[row]
             if not held:  # no live row has the field: forget its schema
                 del part.fields[name], part.schemas[name]
 
@@ -284,40 +301,58 @@ class ColumnStore:
         )
 
 
-def _gather(name: str, schema: FieldSchema, rows: Sequence[int], chunks: list[_Chunk]) -> Column:
-    """The field of ``rows`` (held in ``chunks``) in order, with as few copies as possible.
+class _Plan:
+    """How to gather ``rows`` (held in ``chunks``) in order, with as few copies as possible; the
+    same for every field the rows' puts wrote together.
 
     Maximal runs of rows of one chunk become a slice when in order (zero copy if it is the only
     run) or a take. When chunks interleave (many more runs than chunks), one take per chunk, a
     concat and a final reordering take keep the work O(chunks) torch calls instead of O(rows).
     """
-    if not rows:
-        return _empty(schema)
-    runs: list[tuple[_Chunk, int, int]] = []  # (chunk, start, stop) over batch positions
-    start = 0
-    for i in range(1, len(rows) + 1):
-        if i == len(rows) or chunks[i] is not chunks[start]:
-            runs.append((chunks[start], start, i))
-            start = i
-    if len(runs) > 2 * len({id(chunk) for chunk, _, _ in runs}):
-        by_chunk: dict[_Chunk, list[int]] = {}  # chunk -> its batch positions, in batch order
-        for chunk, lo, hi in runs:
-            by_chunk.setdefault(chunk, []).extend(range(lo, hi))
-        parts = [
-            c.columns[name].take([c.positions[rows[b]] for b in batch])
-            for c, batch in by_chunk.items()
-        ]
-        order = torch.tensor([b for batch in by_chunk.values() for b in batch], dtype=torch.int64)
-        return Column.concat(parts).take(torch.argsort(order))
-    parts = []
-    for chunk, lo, hi in runs:
-        positions = [chunk.positions[r] for r in rows[lo:hi]]
-        first, col = positions[0], chunk.columns[name]
-        if positions == list(range(first, first + len(positions))):
-            parts.append(col.slice(first, first + len(positions)))
+
+    __slots__ = ("order", "runs")
+
+    def __init__(self, rows: Sequence[int], chunks: list[_Chunk]) -> None:
+        self.order: torch.Tensor | None = None  # the final reordering, when chunks interleave
+        # (chunk, start, stop): a slice of the chunk's column; (chunk, positions, None): a take
+        self.runs: list[tuple[_Chunk, Any, int | None]] = []
+        if not rows:
+            return
+        bounds: list[tuple[_Chunk, int, int]] = []  # (chunk, lo, hi) over batch positions
+        if chunks.count(chunks[0]) == len(chunks):
+            bounds.append((chunks[0], 0, len(rows)))
         else:
-            parts.append(col.take(positions))
-    return Column.concat(parts)
+            start = 0
+            for i in range(1, len(rows) + 1):
+                if i == len(rows) or chunks[i] is not chunks[start]:
+                    bounds.append((chunks[start], start, i))
+                    start = i
+        if len(bounds) > 2 * len({id(chunk) for chunk, _, _ in bounds}):
+            by_chunk: dict[_Chunk, list[int]] = {}  # chunk -> its batch positions, in order
+            for chunk, lo, hi in bounds:
+                by_chunk.setdefault(chunk, []).extend(range(lo, hi))
+            for c, batch in by_chunk.items():
+                self.runs.append((c, [c.positions[rows[b]] for b in batch], None))
+            order = [b for batch in by_chunk.values() for b in batch]
+            self.order = torch.argsort(torch.tensor(order, dtype=torch.int64))
+            return
+        for chunk, lo, hi in bounds:
+            positions = [chunk.positions[r] for r in rows[lo:hi]]
+            first = positions[0]
+            if positions == list(range(first, first + len(positions))):
+                self.runs.append((chunk, first, first + len(positions)))
+            else:
+                self.runs.append((chunk, positions, None))
+
+    def gather(self, name: str, schema: FieldSchema) -> Column:
+        if not self.runs:
+            return _empty(schema)
+        parts = [
+            c.columns[name].take(lo) if hi is None else c.columns[name].slice(lo, hi)
+            for c, lo, hi in self.runs
+        ]
+        out = Column.concat(parts)
+        return out if self.order is None else out.take(self.order)
 
 
 def _empty(schema: FieldSchema) -> Column:
