@@ -178,6 +178,42 @@ _DTYPES = {str(dt).removeprefix("torch."): dt for dt in (torch.int64, torch.int3
 _DTYPES["float32"] = torch.float32
 
 
+class _StoreProcess:
+    """A ``_zmq_store.py`` process and a DEALER socket to it."""
+
+    def __init__(self, ctx: Any, address: str) -> None:
+        import zmq
+
+        script = Path(__file__).with_name("_zmq_store.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), address], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        if not line or line[0] != "READY":
+            self.close()
+            raise RuntimeError(f"zmq store did not start (exit code {self.proc.poll()})")
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(line[1])
+
+    def ask(self, *frames: Any, copy: bool = True) -> list[Any]:
+        self.sock.send_multipart(frames, copy=copy)
+        return self.sock.recv_multipart(copy=False)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if hasattr(self, "sock"):
+            self.ask(b"stop")
+            self.sock.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
 class RawZmq(System):
     """A DEALER client and a ROUTER store process holding the received frames."""
 
@@ -193,39 +229,26 @@ class RawZmq(System):
         self.name = f"zmq-{transport}"
         self.mode = transport
         self._keys = itertools.count()
+        self._stores: list[_StoreProcess] = []
 
     def start(self) -> None:
         import zmq
 
         self._dir = tempfile.mkdtemp(prefix="tqbench-")
-        address = f"ipc://{self._dir}/store" if self.transport == "ipc" else "tcp://127.0.0.1:*"
-        script = Path(__file__).with_name("_zmq_store.py")
-        self._proc = subprocess.Popen(
-            [sys.executable, str(script), address], stdout=subprocess.PIPE, text=True
-        )
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline().split()
-        if not line or line[0] != "READY":
-            raise RuntimeError(f"zmq store did not start (exit code {self._proc.poll()})")
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(line[1])
+        self.store = self._store("store")
+
+    def _store(self, name: str) -> _StoreProcess:
+        tcp = "tcp://127.0.0.1:*"
+        store = _StoreProcess(self._ctx, f"ipc://{self._dir}/{name}" if self.mode == "ipc" else tcp)
+        self._stores.append(store)
+        return store
 
     def close(self) -> None:
-        if hasattr(self, "_sock"):
-            self._sock.send_multipart([b"stop"])
-            self._sock.recv()
-            self._sock.close()
+        for store in self._stores:
+            store.close()
+        if hasattr(self, "_ctx"):
             self._ctx.term()
-        if hasattr(self, "_proc"):
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            if self._proc.stdout is not None:
-                self._proc.stdout.close()
         if hasattr(self, "_dir"):
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -236,14 +259,12 @@ class RawZmq(System):
         ).encode()
         key = str(next(self._keys)).encode()
         buffers = [v.view(torch.uint8).numpy().data for v in flat.values()]
-        self._sock.send_multipart([b"put", key, header, *buffers], copy=False)
-        if self._sock.recv() != b"ok":
+        if self.store.ask(b"put", key, header, *buffers, copy=False)[0].bytes != b"ok":
             raise RuntimeError("zmq store refused a put")
         return key
 
     def get(self, handle: Any) -> Data:
-        self._sock.send_multipart([b"get", handle])
-        header, *frames = self._sock.recv_multipart(copy=False)
+        header, *frames = self.store.ask(b"get", handle)
         flat = {}
         with warnings.catch_warnings():  # frames are read-only; so are the tensors on them
             warnings.filterwarnings("ignore", message=".*not writable.*")
@@ -252,12 +273,61 @@ class RawZmq(System):
         return restore(flat)
 
     def done(self, handle: Any) -> None:
-        self._sock.send_multipart([b"del", handle])
-        self._sock.recv()
+        self.store.ask(b"del", handle)
 
     def held(self) -> int | None:
-        self._sock.send_multipart([b"len"])
-        return int(self._sock.recv())
+        return int(self.store.ask(b"len")[0].bytes)
+
+
+META = b"m" * 256
+"""The body of one emulated metadata request (and of its echoed reply)."""
+
+
+class ZmqPattern(RawZmq):
+    """Raw pyzmq exchanging tqstream's messages, with no work behind them."""
+
+    name = "zmq-pattern"
+    note = (
+        "raw pyzmq over TCP in tqstream's multi-process message pattern, with nothing behind "
+        "the messages: a metadata process that echoes 256-byte requests (prepare, commit, "
+        "get meta, ack) and a store process as in zmq-tcp (store, fetch; the drop is sent "
+        "without waiting, as the controller orders it after the ack). The floor of tqstream's "
+        "multi-process deployment: what is left is tqstream's own work"
+    )
+
+    def __init__(self) -> None:
+        super().__init__("tcp")
+        self.name = "zmq-pattern"
+        self._unanswered = 0  # drops whose replies are not read yet
+
+    def start(self) -> None:
+        super().start()
+        self.meta = self._store("meta")
+
+    def _settle(self) -> None:
+        for _ in range(self._unanswered):
+            self.store.sock.recv_multipart()
+        self._unanswered = 0
+
+    def put(self, data: Any) -> Any:
+        self.meta.ask(b"echo", META)
+        self._settle()
+        key = super().put(data)
+        self.meta.ask(b"echo", META)
+        return key
+
+    def get(self, handle: Any) -> Data:
+        self.meta.ask(b"echo", META)
+        return super().get(handle)
+
+    def done(self, handle: Any) -> None:
+        self.meta.ask(b"echo", META)
+        self.store.sock.send_multipart([b"del", handle])
+        self._unanswered += 1
+
+    def held(self) -> int | None:
+        self._settle()
+        return super().held()
 
 
 # --- Ray ------------------------------------------------------------------------------------------
@@ -551,6 +621,7 @@ SYSTEMS = (
     "memcpy",
     "zmq-ipc",
     "zmq-tcp",
+    "zmq-pattern",
     "ray-object-store",
     "ray-actor-queue",
     "transferqueue",
@@ -568,6 +639,8 @@ def make_system(name: str) -> System:
         return Memcpy()
     if name in ("zmq-ipc", "zmq-tcp"):
         return RawZmq(name.removeprefix("zmq-"))
+    if name == "zmq-pattern":
+        return ZmqPattern()
     if name == "ray-object-store":
         return RayObjectStore()
     if name == "ray-actor-queue":

@@ -5,6 +5,7 @@
 - ``[b"put", key, header, *frames]`` keeps the frames (as received, no copy) under ``key``; ``ok``
 - ``[b"get", key]`` sends ``[header, *frames]`` back (zero-copy resend of the held frames)
 - ``[b"del", key]`` drops them; ``ok``
+- ``[b"echo", *frames]`` sends the frames back (a metadata exchange with no work behind it)
 - ``[b"len"]`` the number of keys held; ``[b"stop"]`` replies and exits
 """
 
@@ -30,6 +31,8 @@ def serve(address: str) -> None:
             sock.send_multipart([ident, b"ok"])
         elif cmd == b"get":
             sock.send_multipart([ident, *store[rest[0].bytes]], copy=False)
+        elif cmd == b"echo":
+            sock.send_multipart([ident, *rest])
         elif cmd == b"del":
             store.pop(rest[0].bytes, None)
             sock.send_multipart([ident, b"ok"])
