@@ -5,6 +5,7 @@ running event loop and loops that cannot watch file descriptors use the IO threa
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import threading
 import time
@@ -244,3 +245,50 @@ def test_a_failed_get_on_a_lane_gives_its_lease_back() -> None:
             with tqstream.connect(cluster.address, cfg) as other:
                 meta = other.get_meta("dead-unit", "x", 4, "t", timeout=5)
                 assert len(meta) == 4
+
+
+# A sync call's request waits for its reply on the caller's thread, polling its sockets (no loop
+# runs): the failures the loop's timers and readers catch are caught there too.
+def test_sync_request_to_a_frozen_server_times_out() -> None:
+    with ProcessCluster(1) as cluster:
+        cfg = tqstream.ClientConfig(request_timeout=0.5, heartbeat_interval=30.0)
+        with tqstream.connect(cluster.address, cfg) as client:
+            client.create_partition("frozen", ["x"])
+            os.kill(cluster.procs[0].pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(tqstream.RequestTimeoutError, match=r"within 0.5s"):
+                    client.list_keys("frozen")
+                assert time.monotonic() - t0 < 3
+            finally:
+                os.kill(cluster.procs[0].pid, signal.SIGCONT)
+            assert client.list_keys("frozen") == []  # the late reply is dropped, the lane works
+
+
+def test_sync_request_notices_a_frozen_server_by_its_heartbeats() -> None:
+    with ProcessCluster(1) as cluster:
+        cfg = tqstream.ClientConfig(heartbeat_interval=0.2)
+        with tqstream.connect(cluster.address, cfg) as client:
+            client.create_partition("silent", ["x"])
+            os.kill(cluster.procs[0].pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(tqstream.ConnectionLostError, match="list_keys"):
+                    client.list_keys("silent")
+                assert time.monotonic() - t0 < 5
+            finally:
+                os.kill(cluster.procs[0].pid, signal.SIGCONT)
+
+
+def test_sync_request_during_an_outage_waits_at_most_connect_timeout() -> None:
+    with ProcessCluster(1) as cluster:
+        cfg = tqstream.ClientConfig(connect_timeout=1.0)
+        with tqstream.connect(cluster.address, cfg) as client:
+            client.create_partition("outage", ["x"])
+            cluster.procs[0].kill()
+            cluster.procs[0].wait()
+            time.sleep(0.3)  # the drop reaches the lane's monitor (taken in at the next call)
+            t0 = time.monotonic()
+            with pytest.raises(tqstream.ConnectionLostError, match=r"within 1.0s"):
+                client.list_keys("outage")
+            assert time.monotonic() - t0 < 1.0 + 2

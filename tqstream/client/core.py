@@ -132,6 +132,7 @@ class ClientCore:
         self.release_elsewhere: Callable[[BatchMeta], None] | None = None
         """Set on a core whose loop runs only during calls: where ``release_soon`` sends leases
         to release (a loop that keeps running)."""
+        self._wake: int | None = None
 
     @classmethod
     async def open(
@@ -190,6 +191,14 @@ class ClientCore:
                 del self._units[index]
         self._background.clear()
 
+    def wake_with(self, fd: int) -> None:
+        """Requests waiting without a running loop end when ``fd`` becomes readable (see
+        ``Connection.wake``)."""
+        self._wake = self.controller.wake = fd
+        for task in self._units.values():
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().wake = fd
+
     def check_links(self) -> None:
         """Take in the connection events that queued while the loop was not running (a core
         driven only during calls), so a request is not failed for a drop that is already over."""
@@ -216,6 +225,7 @@ class ClientCore:
                 f"only {len(self.unit_addresses)} units"
             )
         conn = await self._connect(self.ctx, self.unit_addresses[index], self.config)
+        conn.wake = self._wake
         token = conn.welcome.shm
         if self.config.shared_memory == "auto" and shm.reachable(token):
             self._shm[index] = token

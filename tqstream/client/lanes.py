@@ -5,10 +5,12 @@ costs two thread hand-overs per call (caller → IO thread → caller), as much 
 exchange itself on a small machine. So callers get *lanes* of their own: their own ZMQ context and
 :class:`ClientCore` (connections to the controller and units).
 
-- A thread that makes sync calls gets a :class:`Lane`: a private asyncio loop driven by that thread
-  for the length of a call. Between calls nothing runs on it: ZMQ keeps the connections
-  (heartbeats included) on its own I/O thread, and the connection events that queued are taken in
-  before the next call.
+- A thread that makes sync calls gets a :class:`Lane`: a private asyncio loop, current on that
+  thread for the length of a call but run only when the call waits for something other than a
+  reply (a connection being opened, requests to several storage units at once). A request waits
+  for its reply by polling its sockets (``Connection.request``), with no task and no loop
+  iterations. Between calls nothing runs: ZMQ keeps the connections (heartbeats included) on its
+  own I/O thread, and the connection events that queued are taken in before the next call.
 - An event loop on which ``async_`` methods are awaited gets a :class:`LoopLane`: a core whose
   sockets that loop watches, so an async call never leaves the caller's loop.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -50,30 +53,69 @@ class Lane:
         self.busy = False
         self.loop = asyncio.new_event_loop()
         self.ctx = zmq.Context[Any]()
+        # a byte on this pair ends a request waiting on the lane's thread (interrupt())
+        self._wake, self._waker = socket.socketpair()
         try:
             self.core = self.loop.run_until_complete(_open(address, config, self.ctx, release))
         except BaseException:
-            self.ctx.destroy(linger=0)
-            self.loop.close()
+            self._close_sockets()
             raise
+        self.core.wake_with(self._wake.fileno())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         self.core.check_links()
-        task = self.loop.create_task(coro)
-        try:
-            return self.loop.run_until_complete(task)
-        except BaseException:
-            if not task.done():  # interrupted between steps (KeyboardInterrupt): let it clean up
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    self.loop.run_until_complete(task)
-            raise
+        return _drive(self.loop, coro)
+
+    def interrupt(self) -> None:
+        """From another thread: the lane's current call fails with ``ClosedError``."""
+        self.loop.call_soon_threadsafe(self.core.close)  # a call that runs the loop
+        with contextlib.suppress(OSError):
+            self._waker.send(b"x")  # a request polling its sockets
 
     def close(self) -> None:
         """Only from the lane's thread, or while it is idle."""
         self.core.close()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self.ctx.destroy(linger=0)
         self.loop.close()
+        self._wake.close()
+        self._waker.close()
+
+
+def _drive(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on this thread with ``loop`` current, without a task: its requests wait for
+    their replies themselves, and whatever else it awaits runs the loop until done (the future
+    then gives the coroutine its result, as a task would). An interruption (Ctrl-C) while the
+    loop runs cancels what the coroutine awaits, lets it clean up (a put is rolled back) and is
+    raised."""
+    interrupted: BaseException | None = None
+    while True:
+        asyncio._set_running_loop(loop)
+        try:
+            awaited = coro.send(None)
+        except StopIteration as done:
+            if interrupted is None:
+                return done.value  # type: ignore[no-any-return]
+            raise interrupted from None
+        except BaseException:
+            if interrupted is None:
+                raise
+            raise interrupted from None
+        finally:
+            asyncio._set_running_loop(None)
+        if awaited is None:  # a bare yield (asyncio.sleep(0)): nothing to wait for
+            continue
+        try:
+            loop.run_until_complete(awaited)
+        except BaseException as exc:
+            if not awaited.done():  # interrupted while waiting: cancel, as a task would be
+                interrupted = interrupted or exc
+                awaited.cancel()
+                with contextlib.suppress(BaseException):
+                    loop.run_until_complete(awaited)
+        # else the coroutine takes the future's error itself when resumed
 
 
 class LoopLane:
@@ -237,7 +279,7 @@ class Lanes:
             idle = [lane for lane in lanes if not lane.busy]
             for lane in lanes:
                 if lane.busy:
-                    lane.loop.call_soon_threadsafe(lane.core.close)
+                    lane.interrupt()
             loop_lanes = list(self._loop_lanes.values())
             self._loop_lanes.clear()
         for lane in idle:

@@ -11,7 +11,9 @@ per-message step is guarded, and a bad message gets an ``ErrorReply`` rather tha
 never waits forever on a dead server: ZMQ would silently reconnect and the reply would be lost, so a
 monitor fails every pending request with ``ConnectionLostError`` when the TCP connection drops
 (heartbeats turn a silent peer into a drop), and a request made while the connection is down waits
-at most ``connect_timeout`` for ZMQ to reconnect. Everything runs on the caller's asyncio loop.
+at most ``connect_timeout`` for ZMQ to reconnect. Everything runs on the caller's asyncio loop;
+a request made while that loop is current but not running (a sync call on a client lane) waits for
+its reply by polling its sockets on the calling thread, with the same deadlines and link checks.
 
 Sockets are plain (blocking-API) ZMQ sockets driven by the loop directly: the loop watches each
 socket's ZMQ file descriptor and, when it signals, drains every pending message with non-blocking
@@ -26,6 +28,8 @@ import asyncio
 import contextlib
 import inspect
 import itertools
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -421,6 +425,10 @@ class Connection:
         self._closed = False
         self._broken: BaseException | None = None
         self._unsent: list[list[Any]] = []  # requests ZMQ would not take yet (never with HWM 0)
+        self._poller: zmq.Poller | None = None  # for requests that wait without a running loop
+        self.wake: int | None = None
+        """A file descriptor that, once readable, ends a request waiting without a running loop
+        with ``ClosedError`` (another thread closes the client: ``lanes.py``)."""
         # inproc passes buffers by pointer: copy what we send and what we receive, so neither
         # side's tensors alias the other's memory (what a socket between processes does anyway)
         self._inproc = address.startswith("inproc://")
@@ -524,13 +532,18 @@ class Connection:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending[rid] = (fut, op)
-        if self._down:  # queued until ZMQ reconnects: wait for that at most connect_timeout
-            self._grace[rid] = loop.call_later(self._connect_timeout, self._unreachable, rid)
-        # a timer, not asyncio.wait_for: no extra task per request
-        timer = None if timeout is None else loop.call_later(timeout, _expire, fut)
+        # a loop that is current but not running: a lane's sync call (lanes.py) that waits right
+        # here, polling the sockets, which saves the loop's iterations and the task machinery
+        waits_here = not loop.is_running()
+        timer = None
+        if not waits_here:
+            if self._down:  # queued until ZMQ reconnects: wait for that at most connect_timeout
+                self._grace[rid] = loop.call_later(self._connect_timeout, self._unreachable, rid)
+            # a timer, not asyncio.wait_for: no extra task per request
+            timer = None if timeout is None else loop.call_later(timeout, _expire, fut)
         try:
             self._send([header, *buffers])
-            reply, frames = await fut
+            reply, frames = self._wait(fut, rid, timeout) if waits_here else await fut
         except _Expired:
             raise RequestTimeoutError(
                 f"no reply to {op} (request {rid}) from the server at {self.address} within "
@@ -563,8 +576,41 @@ class Connection:
                 self._sock.send_multipart(frames, zmq.NOBLOCK, copy=self._inproc)
             except zmq.Again:
                 self._unsent.append(frames)
-        if self._unsent or _events(self._sock) & POLLIN:  # a send may consume the fd's edge
+        # a send may consume the fd's edge: read what waits (a request in _wait reads anyway)
+        if (self._unsent or _events(self._sock) & POLLIN) and self._loop.is_running():
             self._loop.call_soon(self._guard, self._read)
+
+    def _wait(self, fut: asyncio.Future[Any], rid: int, timeout: float | None) -> Any:
+        """Wait for ``fut`` on this thread without the loop: poll the socket, the monitor and
+        ``wake``, and handle what they bring as the loop's readers would."""
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        grace = now + self._connect_timeout if self._down else None
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            if self.wake is not None:
+                poller.register(self.wake, zmq.POLLIN)
+        while not fut.done():
+            limits = [t - now for t in (deadline, grace) if t is not None]
+            ready = dict(poller.poll(math.ceil(max(0.0, min(limits)) * 1000) if limits else None))
+            if self.wake is not None and self.wake in ready:
+                self.close()  # fails fut with ClosedError
+                break
+            self._guard(self._watch)
+            self._guard(self._read)
+            now = time.monotonic()
+            if fut.done():
+                break
+            if grace is not None and not self._down:
+                grace = None  # reconnected
+            elif grace is not None and now >= grace:
+                self._unreachable(rid)
+            elif deadline is not None and now >= deadline:
+                raise _Expired
+        return fut.result()
 
     def close(self) -> None:
         """Fail pending requests with ``ClosedError``, stop watching, close the sockets.
