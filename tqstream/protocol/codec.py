@@ -144,6 +144,8 @@ class Column:
         n = self.n_rows
         if not 0 <= start <= stop <= n:
             raise IndexError(f"rows [{start}, {stop}) out of range for a column of {n} rows")
+        if start == 0 and stop == n:  # offsets start at 0 already
+            return self
         if self.offsets is None:
             return Column(self.schema, self.values[start:stop])
         offsets = self.offsets[start : stop + 1]
@@ -283,7 +285,9 @@ def _cpu(name: str, t: torch.Tensor, where: str = "") -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return t.resolve_conj().resolve_neg().contiguous()
+    if t.dtype.is_complex:  # only complex tensors carry lazy conjugate / negative bits
+        t = t.resolve_conj().resolve_neg()
+    return t.contiguous()
 
 
 def _tensor_column(name: str, t: Any) -> Column:  # Any: NestedTensor methods are untyped
@@ -383,9 +387,10 @@ def _frombuffer(buffer: Any, dtype: torch.dtype, count: int = -1) -> torch.Tenso
 
 # --- wire ----------------------------------------------------------------------------------------
 def _as_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of ``t`` for ``send(copy=False)``; the view keeps ``t`` (or its copy) alive."""
-    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy().data  # a memoryview holding the array
+    """The bytes of a column's tensor for ``send(copy=False)``; the view keeps ``t`` alive.
+    Column tensors are detached, on the CPU, contiguous and resolved (every builder here makes
+    them so), so this is a reinterpretation, never a copy."""
+    return t.reshape(-1).view(torch.uint8).numpy().data  # a memoryview holding the array
 
 
 def column_to_wire(name: str, col: Column, first_frame: int) -> tuple[ColumnRef, list[memoryview]]:
