@@ -19,3 +19,15 @@ def test_benchmark_suite_runs() -> None:
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     )
+
+
+def test_interleaved_comparison_runs() -> None:
+    cmd = [
+        sys.executable, "-m", "benchmarks.interleave", "--quick", "--rounds", "4", "--block", "2",
+        "--warmup", "1", "--systems", "tqstream-procs-tcp,zmq-pattern,zmq-tcp",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["tqstream-procs-tcp", "zmq-pattern", "zmq-tcp"]
+    assert rows[-1][-1] == "1.00"  # the reference
