@@ -617,3 +617,21 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_ragged_batches_log_nothing_of_torch_internals() -> None:
+    """torch logs a warning about its own internals at the first jagged nested tensor of a
+    process; a user reading ragged fields does not see it (and later ones are built as usual)."""
+    code = """
+import torch
+from tqstream.protocol.codec import columns_from_data, to_tensordict
+rows = [torch.arange(n) for n in (1, 3, 2)]
+for _ in range(2):
+    n, cols = columns_from_data({"x": rows})
+    td = to_tensordict(n, cols)
+    assert [t.tolist() for t in td["x"].unbind()] == [r.tolist() for r in rows]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert "is_fx_tracing" not in out.stderr, out.stderr

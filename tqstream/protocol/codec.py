@@ -16,6 +16,7 @@ frame, a storage chunk or the caller's tensor. Clone before mutating.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -385,6 +386,27 @@ def _frombuffer(buffer: Any, dtype: torch.dtype, count: int = -1) -> torch.Tenso
     return t
 
 
+_JAGGED_SEEN = False
+"""Whether a jagged nested tensor has been built in this process (see ``_jagged``)."""
+
+
+def _jagged(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch.nested.nested_tensor_from_jagged`` (zero copy). Its first call in a process logs a
+    warning about torch's own internals (its use of the deprecated ``is_fx_tracing``), which says
+    nothing to the user of a batch; that one call runs with the logger quiet."""
+    global _JAGGED_SEEN
+    if _JAGGED_SEEN:
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    log = logging.getLogger("torch.fx._symbolic_trace")
+    disabled, log.disabled = log.disabled, True
+    try:
+        t = torch.nested.nested_tensor_from_jagged(values, offsets)
+    finally:
+        log.disabled = disabled
+    _JAGGED_SEEN = True
+    return t
+
+
 # --- wire ----------------------------------------------------------------------------------------
 def _as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a column's tensor for ``send(copy=False)``; the view keeps ``t`` alive.
@@ -504,7 +526,7 @@ def to_tensordict(
         elif col.schema.kind == "object":
             out[name] = NonTensorStack(*decode_objects(name, col))
         elif not padded:
-            out[name] = torch.nested.nested_tensor_from_jagged(col.values, col.offsets)
+            out[name] = _jagged(col.values, col.offsets)
         else:
             key = f"{name}_lengths"
             if key in columns:
