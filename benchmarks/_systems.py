@@ -184,6 +184,7 @@ class _StoreProcess:
     def __init__(self, ctx: Any, address: str) -> None:
         import zmq
 
+        self._unanswered = 0  # requests sent with tell() whose replies are not read yet
         script = Path(__file__).with_name("_zmq_store.py")
         self.proc = subprocess.Popen(
             [sys.executable, str(script), address], stdout=subprocess.PIPE, text=True
@@ -198,8 +199,20 @@ class _StoreProcess:
         self.sock.connect(line[1])
 
     def ask(self, *frames: Any, copy: bool = True) -> list[Any]:
+        self.settle()
         self.sock.send_multipart(frames, copy=copy)
         return self.sock.recv_multipart(copy=False)  # type: ignore[no-any-return]
+
+    def tell(self, *frames: Any) -> None:
+        """Send a request without waiting for its reply (read by the next ``ask``)."""
+        self.sock.send_multipart(frames)
+        self._unanswered += 1
+
+    def settle(self) -> None:
+        """Read the replies of earlier ``tell``s."""
+        for _ in range(self._unanswered):
+            self.sock.recv_multipart()
+        self._unanswered = 0
 
     def close(self) -> None:
         if hasattr(self, "sock"):
@@ -225,7 +238,6 @@ class RawZmq(System):
     )
 
     def __init__(self, transport: str) -> None:
-        self.transport = transport
         self.name = f"zmq-{transport}"
         self.mode = transport
         self._keys = itertools.count()
@@ -286,7 +298,6 @@ META = b"m" * 256
 class ZmqPattern(RawZmq):
     """Raw pyzmq exchanging tqstream's messages, with no work behind them."""
 
-    name = "zmq-pattern"
     note = (
         "raw pyzmq over TCP in tqstream's multi-process message pattern, with nothing behind "
         "the messages: a metadata process that echoes 256-byte requests (prepare, commit, "
@@ -298,20 +309,13 @@ class ZmqPattern(RawZmq):
     def __init__(self) -> None:
         super().__init__("tcp")
         self.name = "zmq-pattern"
-        self._unanswered = 0  # drops whose replies are not read yet
 
     def start(self) -> None:
         super().start()
         self.meta = self._store("meta")
 
-    def _settle(self) -> None:
-        for _ in range(self._unanswered):
-            self.store.sock.recv_multipart()
-        self._unanswered = 0
-
     def put(self, data: Any) -> Any:
         self.meta.ask(b"echo", META)
-        self._settle()
         key = super().put(data)
         self.meta.ask(b"echo", META)
         return key
@@ -322,12 +326,7 @@ class ZmqPattern(RawZmq):
 
     def done(self, handle: Any) -> None:
         self.meta.ask(b"echo", META)
-        self.store.sock.send_multipart([b"del", handle])
-        self._unanswered += 1
-
-    def held(self) -> int | None:
-        self._settle()
-        return super().held()
+        self.store.tell(b"del", handle)
 
 
 # --- Ray ------------------------------------------------------------------------------------------

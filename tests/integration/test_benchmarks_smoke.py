@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,3 +33,13 @@ def test_interleaved_comparison_runs() -> None:
     rows = [line.split() for line in proc.stdout.splitlines()[1:]]
     assert [r[0] for r in rows] == ["tqstream-procs-tcp", "zmq-pattern", "zmq-tcp"]
     assert rows[-1][-1] == "1.00"  # the reference
+
+
+@pytest.mark.parametrize("systems", ["tqstream-procs-tcp,nosuch", "zmq-tcp"])
+def test_interleave_refuses_unknown_or_single_systems(systems: str) -> None:
+    cmd = [sys.executable, "-m", "benchmarks.interleave", "--systems", systems]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert "--systems: name two or more of" in proc.stderr
+    if "nosuch" in systems:
+        assert "unknown: ['nosuch']" in proc.stderr

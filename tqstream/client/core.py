@@ -168,12 +168,21 @@ class ClientCore:
             max_message_bytes=config.max_message_bytes,
         )
 
+    def _opened(self) -> dict[int, Connection]:
+        """The unit connections whose opening succeeded."""
+        return {
+            index: task.result()
+            for index, task in self._units.items()
+            if task.done() and not task.cancelled() and task.exception() is None
+        }
+
     def close(self) -> None:
         """Close every connection (pending requests fail with ``ClosedError``); call on the
         core's loop thread, or while nothing runs on its loop."""
-        for task in self._units.values():
-            if task.done() and not task.cancelled() and task.exception() is None:
-                task.result().close()
+        opened = self._opened()
+        for index, task in self._units.items():
+            if index in opened:
+                opened[index].close()
             else:
                 task.cancel()
         self._units.clear()
@@ -184,9 +193,10 @@ class ClientCore:
     def move_to(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run on ``loop`` from now on (call on it): the loop the core ran on is closed."""
         self.controller.move_to(loop)
-        for index, task in list(self._units.items()):
-            if task.done() and not task.cancelled() and task.exception() is None:
-                task.result().move_to(loop)
+        opened = self._opened()
+        for index in list(self._units):
+            if index in opened:
+                opened[index].move_to(loop)
             else:  # an open cut short when the old loop closed: open again when needed
                 del self._units[index]
         self._background.clear()
@@ -195,17 +205,15 @@ class ClientCore:
         """Requests waiting without a running loop end when ``fd`` becomes readable (see
         ``Connection.wake``)."""
         self._wake = self.controller.wake = fd
-        for task in self._units.values():
-            if task.done() and not task.cancelled() and task.exception() is None:
-                task.result().wake = fd
+        for conn in self._opened().values():
+            conn.wake = fd
 
     def check_links(self) -> None:
         """Take in the connection events that queued while the loop was not running (a core
         driven only during calls), so a request is not failed for a drop that is already over."""
         self.controller.check_link()
-        for task in self._units.values():
-            if task.done() and not task.cancelled() and task.exception() is None:
-                task.result().check_link()
+        for conn in self._opened().values():
+            conn.check_link()
 
     async def _unit(self, index: int) -> Connection:
         task = self._units.get(index)
@@ -272,12 +280,8 @@ class ClientCore:
             jobs = []
             for seg in plan.segments:
                 part = {k: c.slice(seg.start, seg.stop) for k, c in columns.items()}
-                conn = await self._unit(seg.unit)
                 rows = plan.row_ids[seg.start : seg.stop]
-                token, least = self._token(seg.unit), self.config.shared_memory_min_bytes
-                spares = self._spares.setdefault(seg.unit, [])
-                msg, bufs = _store_message(partition, seg.chunk, rows, part, token, least, spares)
-                jobs.append(self._stored(seg.unit, msg, conn, bufs))
+                jobs.append(self._store(partition, seg.unit, seg.chunk, rows, part))
             await _all(jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
             meta: BatchMeta = reply.meta
@@ -308,20 +312,20 @@ class ClientCore:
                     index = torch.tensor(pos, dtype=torch.int64)
                     part = {k: c.take(index) for k, c in columns.items()}
                 rows = [meta.row_ids[i] for i in pos]
-                conn = await self._unit(seg.unit)
-                token = self._token(seg.unit)
-                least = self.config.shared_memory_min_bytes
-                spares = self._spares.setdefault(seg.unit, [])
-                msg, bufs = _store_message(
-                    meta.partition, seg.chunk, rows, part, token, least, spares
-                )
-                jobs.append(self._stored(seg.unit, msg, conn, bufs))
+                jobs.append(self._store(meta.partition, seg.unit, seg.chunk, rows, part))
             await _all(jobs)
             await self._ask(CommitPut(rid=0, put_id=plan.put_id), Ok)
 
         await self._committed(plan.put_id, store())
 
-    async def _stored(self, unit: int, msg: Store, conn: Connection, buffers: list[Any]) -> None:
+    async def _store(
+        self, partition: str, unit: int, chunk: int, rows: list[int], part: dict[str, Column]
+    ) -> None:
+        """Store one chunk on ``unit``; a shared-memory store learns the unit's spares."""
+        conn = await self._unit(unit)
+        token, least = self._token(unit), self.config.shared_memory_min_bytes
+        spares = self._spares.setdefault(unit, [])
+        msg, buffers = _store_message(partition, chunk, rows, part, token, least, spares)
         reply: Ok = await self._ask(msg, Ok, conn=conn, buffers=buffers)
         if msg.shared:
             self._spares[unit] = list(reply.spare)

@@ -287,9 +287,7 @@ class UnitSegments:
         except OSError:
             return False
         self._spares[spare] = (size, False)
-        while len(self._spares) > SPARE_SEGMENTS or sum(s for s, _ in self._spares.values()) > (
-            SPARE_BYTES
-        ):
+        while len(self._spares) > SPARE_SEGMENTS or self.spare_bytes > SPARE_BYTES:
             oldest = next(iter(self._spares))
             unlink(oldest)
             del self._spares[oldest]
