@@ -32,6 +32,8 @@ __all__ = [
     "MessageTooLargeError",
     "NotReadyError",
     "PartitionClearedError",
+    "PartitionClosedError",
+    "PartitionDrainedError",
     "ProtocolError",
     "ProtocolVersionError",
     "RequestTimeoutError",
@@ -200,6 +202,19 @@ class PartitionClearedError(TQStreamError, RuntimeError):
     """A parked request's partition was cleared while it waited."""
 
     code = "partition_cleared"
+
+
+class PartitionClosedError(TQStreamError, RuntimeError):
+    """A put of new rows to a partition its producers have closed."""
+
+    code = "partition_closed"
+
+
+class PartitionDrainedError(TQStreamError, EOFError):
+    """The partition is closed and the task has consumed every row it could ever be served: the
+    end of a finite stream (``ExperienceDataset(finite=True)`` ends its iteration on it)."""
+
+    code = "partition_drained"
 
 
 # --- peers ---

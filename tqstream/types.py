@@ -121,6 +121,7 @@ class PartitionStats(msgspec.Struct, frozen=True):
     expired: int = 0  # rows evicted by the partition's ttl
     freed: int = 0  # rows freed once every registered task acked them
     tasks_registered: list[str] = []
+    producers_open: int = 1  # producers that have not closed it yet; 0: closed, no new rows
 
 
 class UnitStats(msgspec.Struct, frozen=True):
@@ -141,3 +142,44 @@ class Stats(msgspec.Struct, frozen=True):
     @property
     def storage_bytes(self) -> int:
         return sum(u.bytes for u in self.units)
+
+    def __str__(self) -> str:
+        """One line per partition, field, task, storage unit and admission (``print(stats)``)."""
+        lines = []
+        for name, p in self.partitions.items():
+            lines.append(
+                f"partition {name!r}: {p.rows} rows (produced {p.produced}, freed {p.freed}, "
+                f"rejected {p.rejected}, stale-dropped {p.stale_dropped}, expired {p.expired}); "
+                f"{p.pending_puts} pending puts, {p.parked_requests} parked gets"
+                + ("; closed" if p.producers_open == 0 else "")
+            )
+            for field, written in p.fields.items():
+                schema = p.schemas.get(field)
+                kind = schema.describe() if schema is not None else "declared"
+                lines.append(f"  field {field!r}: {kind}, written for {written} rows")
+            for task, t in p.tasks.items():
+                registered = " (registered)" if task in p.tasks_registered else ""
+                lag = ", ".join(f"{k}: {n}" for k, n in sorted(t.lag.items())) or "-"
+                lines.append(
+                    f"  task {task!r}{registered}: available {t.available}, leased {t.leased}, "
+                    f"acked {t.acked}, stale-dropped {t.stale_dropped}; version lag -> rows {lag}"
+                )
+        for i, u in enumerate(self.units):
+            quota = _size(u.max_bytes) if u.max_bytes else "unlimited"
+            lost = "" if u.alive else " LOST"
+            lines.append(
+                f"storage unit {i} {u.address}{lost}: {_size(u.bytes)} in {u.chunks} chunks, "
+                f"{u.rows} rows, quota {quota}, shared-memory spare {_size(u.spare_bytes)}"
+            )
+        for name, state in self.admissions.items():
+            lines.append(f"admission {name!r}: " + ", ".join(f"{k}={v}" for k, v in state.items()))
+        return "\n".join(lines) or "no partitions, no storage units"
+
+
+def _size(n: int) -> str:
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"

@@ -40,7 +40,7 @@ def test_put_get_roundtrip_all_kinds(client: Client, partition: str) -> None:
     assert ids.is_nested and ids.layout == torch.jagged
     for i, row in enumerate(ragged(6)):
         assert torch.equal(ids[i], row)
-    assert td["prompt"].tolist() == [f"prompt {i}" for i in range(6)]
+    assert td.get("prompt").tolist() == [f"prompt {i}" for i in range(6)]
     assert got.meta.keys == meta.keys
     assert got.ack() == 6
 
@@ -87,8 +87,8 @@ def test_json_and_bytes_objects(client: Client, partition: str) -> None:
     values = [{"a": 1}, [1, 2], None, "s"]
     client.put({"meta": values, "raw": [b"\x00\x01", b"", b"x", b"yz"]}, partition)
     td = client.get(partition, ["meta", "raw"], 4, "t").data
-    assert td["meta"].tolist() == values
-    assert td["raw"].tolist() == [b"\x00\x01", b"", b"x", b"yz"]
+    assert td.get("meta").tolist() == values
+    assert td.get("raw").tolist() == [b"\x00\x01", b"", b"x", b"yz"]
 
 
 # --- leases and tasks ---
@@ -266,10 +266,13 @@ def test_clear_returns_storage_bytes(client: Client, partition: str) -> None:
     assert held() > base
     client.clear_samples(meta)
     assert client.stats(partition).partitions[partition].rows == 64
-    client.clear_partition(partition)
+    assert client.clear_partition(partition) is True
     assert held() == base
     with pytest.raises(tqstream.UnknownPartitionError):
         client.stats(partition)
+    # clearing is "make sure it is gone": again, or a name never used, is harmless
+    assert client.clear_partition(partition) is False
+    assert client.clear_partition(partition + "-never-created") is False
 
 
 def test_clear_partition_fails_parked_gets(client: Client, partition: str) -> None:
@@ -332,3 +335,16 @@ def test_cuda_tensors_are_moved_to_cpu(client: Client, partition: str) -> None:
     assert td["x"].device.type == "cpu" and torch.equal(td["x"], x.cpu())
     assert torch.equal(td["r"][7], rows[7].cpu())
     assert torch.equal(td.to("cuda")["x"], x)
+
+
+def test_stats_print_one_line_per_part(client: Client, partition: str) -> None:
+    client.put({"input_ids": [[1, 2, 3], [4, 5]], "r": [1.0, 2.0]}, partition, version=0)
+    client.get(partition, ["input_ids"], 1, "actor").ack()
+    text = str(client.stats(partition))
+    lines = text.splitlines()
+    assert lines[0].startswith(f"partition {partition!r}: 2 rows (produced 2, freed 0")
+    assert "  field 'input_ids': ragged int64[*], written for 2 rows" in lines
+    assert "  field 'r': dense float32[], written for 2 rows" in lines
+    assert any(line.startswith("  task 'actor': available 1, leased 0, acked 1") for line in lines)
+    assert any(line.startswith("storage unit 0 tcp://") for line in lines)
+    assert all(len(line) < 160 for line in lines)

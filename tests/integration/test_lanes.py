@@ -117,6 +117,16 @@ def test_sync_call_inside_a_running_loop_goes_through_the_io_thread(address: str
 
 def test_keyboard_interrupt_leaves_the_lane_usable(address: str) -> None:
     assert threading.current_thread() is threading.main_thread()
+    # a run started with SIGINT ignored (``nohup ... &``) would never see the signal: Python's
+    # own handler (KeyboardInterrupt) for the duration of the test
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_a_get(address)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_a_get(address: str) -> None:
     with tqstream.connect(address) as client:
         client.create_partition("lanes-int", ["x"], tasks=["t"])
         timer = threading.Timer(

@@ -10,6 +10,7 @@ import weakref
 import msgspec
 import numpy as np
 import pytest
+import tensordict
 import torch
 import zmq
 from hypothesis import given, settings
@@ -29,6 +30,9 @@ from tqstream.protocol.codec import (
 )
 from tqstream.protocol.messages import BufferRef, ColumnRef
 from tqstream.types import FieldSchema
+
+# tensordict >= 0.11 slices jagged nested tensors itself; older versions hand the slice to torch
+TD_SLICES_JAGGED = tuple(int(x) for x in tensordict.__version__.split(".")[:2]) >= (0, 11)
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -120,6 +124,42 @@ def test_ragged_trailing_dims_and_empty_rows():
     _, cols = columns_from_data({"r": [torch.zeros(0, dtype=torch.int32)] * 3})
     back = roundtrip(cols["r"])
     assert back.values.numel() == 0 and back.offsets.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("value", "describe", "rows"),
+    [
+        ([[1, 2, 3], [4, 5]], "ragged int64[*]", [[1, 2, 3], [4, 5]]),
+        ([[1, 2], []], "ragged int64[*]", [[1, 2], []]),
+        ([[], []], "ragged int64[*]", [[], []]),
+        ([[1.5], [2]], "ragged float32[*]", [[1.5], [2.0]]),
+        ([[True], [False, True]], "ragged bool[*]", [[True], [False, True]]),
+        ([[[1, 2], [3, 4]], [], [[5, 6]]], "ragged int64[*,2]", [[[1, 2], [3, 4]], [], [[5, 6]]]),
+        ((1, 2, 3), "dense int64[]", [1, 2, 3]),
+        ([1, 2.5, True], "dense float32[]", [1.0, 2.5, 1.0]),
+    ],
+)
+def test_python_number_lists_become_tensors(value, describe, rows):
+    """Lists of numbers are what users (and verl's list_of_dict_to_tensordict) mean as tensors."""
+    _, cols = columns_from_data({"x": value})
+    col = roundtrip(cols["x"])
+    assert col.schema.describe() == describe
+    got = [t.tolist() for t in rows_of(col)] if col.offsets is not None else col.values.tolist()
+    assert got == rows
+
+
+@pytest.mark.parametrize(
+    "value", [[["a"], ["b"]], [[1, None]], [[1], [2, [3]]], [[1], 2], [[2**70]], [1, "a"]]
+)
+def test_lists_that_are_not_numbers_stay_objects(value):
+    _, cols = columns_from_data({"x": value})
+    assert cols["x"].schema == FieldSchema("object", "json")
+    assert decode_objects("x", roundtrip(cols["x"])) == value
+
+
+def test_number_list_rows_of_different_trailing_shapes_are_refused():
+    with pytest.raises(SchemaError, match=r"field 'x'.*row 1"):
+        columns_from_data({"x": [[[1, 2]], [[1, 2, 3]]]})
 
 
 def test_jagged_nested_tensor_input_is_zero_copy():
@@ -555,8 +595,14 @@ def test_to_tensordict_aliases_columns():
     assert td["r"].is_nested and td["r"].values().data_ptr() == cols["r"].values.data_ptr()
     assert td["r"][1].shape == (0, 2) and torch.equal(td["r"][2], torch.full((3, 2), 7.0))
     assert td["s"] == ["a", "bb", "", "d"] and isinstance(td.get("s"), NonTensorStack)
-    assert td[1:3]["s"] == ["bb", ""] and td[1:3]["j"] == [None, 3.5] and td[0]["j"] == {"k": [1]}
-    assert td[1:3]["r"][1].shape == (3, 2)
+    objs = td.select("s", "j")
+    assert objs[1:3]["s"] == ["bb", ""] and objs[1:3]["j"] == [None, 3.5]
+    assert objs[0]["j"] == {"k": [1]}
+    if TD_SLICES_JAGGED:
+        assert td[1:3]["r"][1].shape == (3, 2)
+    else:  # tensordict < 0.11 slices each entry with torch, which refuses dim 0 of a jagged tensor
+        with pytest.raises(RuntimeError, match="not supported for NestedTensor on dim=0"):
+            td[1:3]
     row = td.tolist()[3]
     assert row["s"] == "d" and row["j"] == "x" and row["t"].tolist() == [0, 1]
 

@@ -28,7 +28,13 @@ from tqstream.client.versions import row_versions
 from tqstream.config import ClientConfig, from_env
 from tqstream.errors import BatchShapeError, ClosedError, InvalidRequestError
 from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
-from tqstream.protocol.messages import CreateAdmission, CreatePartition, GetMeta, PreparePut
+from tqstream.protocol.messages import (
+    ClosePartition,
+    CreateAdmission,
+    CreatePartition,
+    GetMeta,
+    PreparePut,
+)
 from tqstream.types import BatchMeta, Stats
 
 __all__ = ["Batch", "Client", "connect"]
@@ -325,6 +331,7 @@ class Client:
         tasks: Sequence[str] | None = None,
         ttl: float | None = None,
         admission: str | None = None,
+        producers: int | None = None,
     ) -> None:
         """Create ``partition`` and declare ``fields``, so gets wait for them instead of failing.
 
@@ -333,10 +340,10 @@ class Client:
         stats as expired). ``admission``: the name of the capacity admission whose producers feed
         this partition; rows evicted as stale give their budget back to it (one slot per row:
         link only when producers take one slot per row), so the trainer is never starved by
-        samples it could not use. Calling it again adds fields and updates
-        tasks/ttl/admission.
+        samples it could not use. ``producers``: how many ``close_partition`` calls close it
+        (default 1). Calling it again adds fields and updates tasks/ttl/admission/producers.
         """
-        msg = _partition_message(partition, fields, tasks, ttl, admission)
+        msg = _partition_message(partition, fields, tasks, ttl, admission, producers)
         self._sync(ClientCore.call, msg)
 
     async def async_create_partition(
@@ -347,9 +354,21 @@ class Client:
         tasks: Sequence[str] | None = None,
         ttl: float | None = None,
         admission: str | None = None,
+        producers: int | None = None,
     ) -> None:
-        msg = _partition_message(partition, fields, tasks, ttl, admission)
+        msg = _partition_message(partition, fields, tasks, ttl, admission, producers)
         await self._async(ClientCore.call, msg)
+
+    def close_partition(self, partition: str) -> int:
+        """One producer is done with ``partition``; returns how many declared producers have not
+        closed it yet. Once none has, it takes no new rows (``PartitionClosedError``) and a get
+        that cannot be filled any more returns the last, short batch, then raises
+        ``PartitionDrainedError``: the end of a finite stream."""
+        return self._sync(ClientCore.call, ClosePartition(rid=0, partition=partition)).count
+
+    async def async_close_partition(self, partition: str) -> int:
+        msg = ClosePartition(rid=0, partition=partition)
+        return (await self._async(ClientCore.call, msg)).count
 
     # --- get ---
     @staticmethod
@@ -631,12 +650,15 @@ class Client:
     async def async_clear_samples(self, meta: BatchMeta) -> None:
         await self._async(ClientCore.clear_samples, meta)
 
-    def clear_partition(self, partition: str) -> None:
-        """Delete the partition, its rows and bytes; waiting gets raise PartitionClearedError."""
-        self._sync(ClientCore.clear_partition, partition)
+    def clear_partition(self, partition: str) -> bool:
+        """Delete the partition, its rows and bytes; waiting gets raise PartitionClearedError.
 
-    async def async_clear_partition(self, partition: str) -> None:
-        await self._async(ClientCore.clear_partition, partition)
+        Clearing makes sure the partition is gone: one that does not exist (never created, or
+        cleared already) is left as it is. Returns whether the partition existed."""
+        return self._sync(ClientCore.clear_partition, partition)
+
+    async def async_clear_partition(self, partition: str) -> bool:
+        return await self._async(ClientCore.clear_partition, partition)
 
     def stats(self, partition: str | None = None) -> Stats:
         """Rows, fields and per-task state per partition; bytes held per storage unit."""
@@ -652,6 +674,7 @@ def _partition_message(
     tasks: Sequence[str] | None,
     ttl: float | None,
     admission: str | None,
+    producers: int | None,
 ) -> CreatePartition:
     return CreatePartition(
         rid=0,
@@ -660,6 +683,7 @@ def _partition_message(
         tasks=None if tasks is None else list(tasks),
         ttl=ttl,
         admission=admission,
+        producers=producers,
     )
 
 

@@ -435,8 +435,8 @@ class ClientCore:
     async def clear_samples(self, meta: BatchMeta) -> None:
         await self._ask(ClearSamples(rid=0, partition=meta.partition, row_ids=meta.row_ids), Ok)
 
-    async def clear_partition(self, partition: str) -> None:
-        await self._ask(ClearPartition(rid=0, partition=partition), Ok)
+    async def clear_partition(self, partition: str) -> bool:
+        return bool((await self._ask(ClearPartition(rid=0, partition=partition), Ok)).count)
 
     async def call(self, msg: Any, expect: type = Ok, timeout: float | None = -1.0) -> Any:
         """A plain request to the controller (no data frames)."""

@@ -99,6 +99,13 @@ class Partition:
         self.admission: str | None = None  # a capacity admission gets stale evictions back
         self.produced = self.rejected = self.stale_dropped = self.expired = self.freed = 0
         self.stale_seen: list[int] = []  # filled by select() under a staleness window
+        self.producers = 1  # close_partition calls that close it
+        self.closes = 0
+
+    @property
+    def closed(self) -> bool:
+        """Every declared producer closed it: no new rows will come (fields still may)."""
+        return self.closes >= self.producers
 
     # --- schemas and fields ---
     def declare(self, fields: Iterable[str]) -> None:
@@ -482,6 +489,39 @@ class Partition:
                 if need == 0:
                     break
         return picked
+
+    def select_rest(
+        self, task: str, mask: int, batch_size: int, whole_groups: bool,
+        fresh: Callable[[Row], bool] | None = None,
+    ) -> list[int]:  # fmt: skip
+        """The oldest servable rows, up to ``batch_size`` (possibly none): the last, short batch
+        of a closed partition. Whole groups only with ``whole_groups``: an incomplete group of a
+        closed partition can never be served."""
+        if not whole_groups:
+            v = self.view(task, mask)
+            return [rid for rid in v.ready.values() if fresh is None or fresh(self.rows[rid])][
+                :batch_size
+            ]
+        picked: list[int] = []
+        for key in self.group_view(task, mask).oldest():
+            members = [key] if isinstance(key, int) else self.groups[key].members
+            if fresh is not None and not all(fresh(self.rows[m]) for m in members):
+                continue
+            if len(picked) + len(members) <= batch_size:
+                picked.extend(members)
+        return picked
+
+    def may_serve_more(self, task: str, mask: int) -> bool:
+        """Whether rows the task has not consumed could still become servable: rows leased to
+        it (a lease may come back) or committed rows it has not consumed that lack some of the
+        requested fields (``put_fields`` may add them). A scan: only for closed partitions."""
+        t = self.task(task)
+        if t.leased:
+            return True
+        return any(
+            r.committed and (r.written & mask) != mask and r.id not in t.acked
+            for r in self.rows.values()
+        )
 
     # --- reporting ---
     def task_stats(self) -> dict[str, TaskStats]:

@@ -29,6 +29,7 @@ from tqstream.protocol.messages import (
     AdmissionVersion,
     ClearPartition,
     ClearSamples,
+    ClosePartition,
     CommitPut,
     CountRejected,
     CreateAdmission,
@@ -143,8 +144,14 @@ class ControllerService:
                 case ListKeys():
                     return KeysReply(rid=msg.rid, keys=s.list_keys(msg.partition))
                 case CreatePartition():
-                    s.create_partition(msg.partition, msg.fields, msg.tasks, msg.ttl, msg.admission)
+                    s.create_partition(
+                        msg.partition, msg.fields, msg.tasks, msg.ttl, msg.admission, msg.producers
+                    )
                     return Ok(rid=msg.rid)
+                case ClosePartition():
+                    still_open, effects = s.close_partition(msg.partition, now)
+                    self._apply(effects)
+                    return Ok(rid=msg.rid, count=still_open)
                 case CountRejected():
                     s.count_rejected(msg.partition, msg.count)
                     return Ok(rid=msg.rid)
@@ -167,7 +174,8 @@ class ControllerService:
                     n = len(msg.row_ids)
                     return self._drain(msg.rid, s.clear_samples(msg.partition, msg.row_ids), n)
                 case ClearPartition():
-                    return self._drain(msg.rid, s.clear_partition(msg.partition), 0)
+                    existed = int(msg.partition in s.partitions)
+                    return self._drain(msg.rid, s.clear_partition(msg.partition), existed)
                 case GetStats():
                     return self._stats(msg.rid, msg.partition)
                 case RegisterUnit():

@@ -44,6 +44,8 @@ from tqstream.errors import (
     LeaseExpiredError,
     NotReadyError,
     PartitionClearedError,
+    PartitionClosedError,
+    PartitionDrainedError,
     RequestTimeoutError,
     TQStreamError,
     UnknownKeyError,
@@ -118,6 +120,7 @@ class ControllerState(FlowControl):
         tasks: list[str] | None = None,
         ttl: float | None = None,
         admission: str | None = None,
+        producers: int | None = None,
     ) -> None:
         if not name:
             raise InvalidRequestError("partition name must be a non-empty string")
@@ -125,6 +128,11 @@ class ControllerState(FlowControl):
             raise InvalidRequestError(f"ttl must be > 0 seconds, got {ttl}")
         if tasks is not None and not all(tasks):
             raise InvalidRequestError("registered task names must be non-empty strings")
+        if producers is not None and producers < 1:
+            raise InvalidRequestError(
+                f"producers must be >= 1 (the close_partition calls that close the partition), "
+                f"got {producers}"
+            )
         p = self.partitions.get(name)
         if p is None:
             p = self.partitions[name] = Partition(name, f"{secrets.token_hex(4)}-")
@@ -137,6 +145,18 @@ class ControllerState(FlowControl):
             p.ttl = ttl
         if admission is not None:
             p.admission = admission
+        if producers is not None:
+            p.producers = producers
+
+    def close_partition(self, name: str, now: float) -> tuple[int, Effects]:
+        """One producer is done. Returns the producers still open (0: closed) and the effects:
+        parked gets that can now only get a short last batch, or the end of the stream."""
+        p = self.partition(name)
+        p.closes += 1
+        effects = Effects()
+        if p.closed:
+            self._serve_parked(name, effects, now)
+        return max(p.producers - p.closes, 0), effects
 
     # --- puts ---
     def prepare_put(
@@ -176,6 +196,14 @@ class ControllerState(FlowControl):
                 self._at(now + req.timeout, "putwait", handle)
             return None
         created = req.partition not in self.partitions
+        if not created and self.partitions[req.partition].closed:
+            p = self.partitions[req.partition]
+            raise PartitionClosedError(
+                f"partition {req.partition!r} is closed: its {p.producers} producer(s) called "
+                f"close_partition, so it takes no new rows (put_fields to its rows still works); "
+                f"put to another partition, or clear_partition({req.partition!r}) to start over",
+                partition=req.partition,
+            )
         self.create_partition(req.partition, [])
         p = self.partitions[req.partition]
         known = len(p.bits)
@@ -402,6 +430,16 @@ class ControllerState(FlowControl):
                 return v is None or v >= oldest
 
         rows = p.select(req.task, mask, req.batch_size, req.whole_groups, fresh)
+        if rows is None and p.closed and not self._has_pending(p.name):
+            rows = p.select_rest(req.task, mask, req.batch_size, req.whole_groups, fresh) or None
+            if rows is None and not p.may_serve_more(req.task, mask):
+                window = "" if fresh is None else " (rows outside the staleness window never are)"
+                raise PartitionDrainedError(
+                    f"partition {p.name!r} is closed and drained for task {req.task!r}: every "
+                    f"row it could serve with fields {req.fields} was consumed{window}",
+                    partition=p.name,
+                    task=req.task,
+                )
         dropped = 0
         if p.stale_seen and req.on_stale == "drop":  # can never be in a window again: evict
             stale = p.stale_seen
@@ -428,13 +466,21 @@ class ControllerState(FlowControl):
         meta = self._meta(p, [p.rows[r] for r in rows], req.fields, req.task, lease_id)
         return msgspec.structs.replace(meta, stale_dropped=dropped) if dropped else meta
 
+    def _has_pending(self, partition: str) -> bool:
+        return any(q.partition == partition and not q.cancelled for q in self.pending.values())
+
     def _serve_parked(self, partition: str, effects: Effects, now: float) -> None:
         waiting = self.parked.get(partition)
         if not waiting:
             return
         p = self.partitions[partition]
         for handle, parked in list(waiting.items()):
-            meta = self._try_serve(p, parked.req, parked.mask, now, parked)
+            try:
+                meta = self._try_serve(p, parked.req, parked.mask, now, parked)
+            except PartitionDrainedError as e:
+                del waiting[handle]
+                effects.failed.append((handle, e))
+                continue
             if meta is not None:
                 del waiting[handle]
                 effects.served.append((handle, meta))
@@ -519,6 +565,8 @@ class ControllerState(FlowControl):
                     hist[lag] = hist.get(lag, 0) + 1
         if not lease.rows:
             self._end_lease(lease, "acked")
+        if p.closed:  # the last rows of a closed partition acked: parked gets learn it drained
+            self._serve_parked(partition, self.outbox, self.now)
         if p.registered and task in p.registered:  # free rows every registered task consumed
             others = [p.tasks.get(t) for t in p.registered if t != task]
             if all(t is not None for t in others):
@@ -618,8 +666,11 @@ class ControllerState(FlowControl):
         self.partitions[partition].rejected += count
 
     def clear_partition(self, partition: str) -> Effects:
-        p = self.partition(partition)
+        """Make sure ``partition`` is gone: clearing one that does not exist does nothing."""
         effects = Effects()
+        p = self.partitions.get(partition)
+        if p is None:
+            return effects
         for r in p.rows.values():
             self.unit_bytes[r.unit] -= r.nbytes
         # A put to a re-created partition of this name can reach a unit before this order: scope
@@ -763,5 +814,6 @@ class ControllerState(FlowControl):
                 expired=p.expired,
                 freed=p.freed,
                 tasks_registered=list(p.registered),
+                producers_open=max(p.producers - p.closes, 0),
             )
         return out

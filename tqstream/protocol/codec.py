@@ -16,6 +16,7 @@ frame, a storage chunk or the caller's tensor. Clone before mutating.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import warnings
@@ -264,8 +265,39 @@ def _column(name: str, value: Any) -> Column:
         if tensors:
             msg = f"the list mixes {tensors} tensors with {len(value) - tensors} other values"
             raise _err(SchemaError, name, msg + "; a ragged field needs a tensor in every row")
+        numeric = _numeric_rows(value)
+        if numeric is not None:
+            return numeric if isinstance(numeric, Column) else _ragged_column(name, numeric)
         return _object_column(name, value)
     raise _err(SchemaError, name, f"unsupported value of type {type(value).__name__}; {_EXPECTED}")
+
+
+_NUMBER = (bool, int, float)
+
+
+def _numeric_rows(value: Sequence[Any]) -> Column | list[torch.Tensor] | None:
+    """A list of Python numbers as a dense column, or of number lists (``[[1, 2, 3], [4, 5]]``)
+    as ragged rows, as ``torch.tensor`` would type them (int64, float32, bool; mixed rows take the
+    promoted dtype; an all-empty list of lists is int64, like token ids); None if ``value`` holds
+    anything else (it is then an object field)."""
+    if not value:
+        return None
+    if all(isinstance(v, _NUMBER) for v in value):
+        t = torch.tensor(value)
+        return Column(FieldSchema("dense", _NAMES[t.dtype], ()), t)
+    if not all(isinstance(v, (list, tuple)) for v in value):
+        return None
+    try:
+        rows = [torch.tensor(v) if v else None for v in value]
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # strings, None, dicts, irregular
+        return None
+    full = [t for t in rows if t is not None]
+    if not all(t.dtype in (torch.bool, torch.int64, torch.float32) for t in full):
+        return None
+    dtypes = [t.dtype for t in full]
+    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.int64
+    trailing = full[0].shape[1:] if full else ()
+    return [torch.empty((0, *trailing), dtype=dtype) if t is None else t.to(dtype) for t in rows]
 
 
 def _from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
@@ -515,7 +547,7 @@ def to_tensordict(
     its int64 lengths ``[n]`` under ``"<name>_lengths"``. object: a ``NonTensorStack`` of the
     decoded values (``td[name]`` is then a list, ``td.get(name)`` the stack).
     """
-    from tensordict import NonTensorStack, TensorDict
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
 
     out: dict[str, Any] = {}
     for name, col in columns.items():
@@ -524,7 +556,9 @@ def to_tensordict(
         if col.offsets is None:
             out[name] = col.values
         elif col.schema.kind == "object":
-            out[name] = NonTensorStack(*decode_objects(name, col))
+            values = decode_objects(name, col)
+            # tensordict < 0.11 cannot build an empty NonTensorStack (it reads its first row)
+            out[name] = NonTensorStack(*values) if values else NonTensorData([], batch_size=[0])
         elif not padded:
             out[name] = _jagged(col.values, col.offsets)
         else:

@@ -92,6 +92,13 @@ class CreatePartition(_Msg, frozen=True, tag="create_partition"):
     tasks: list[str] | None = None  # registered consumer tasks: a row all of them acked is freed
     ttl: float | None = None  # seconds a committed row lives before it is evicted
     admission: str | None = None  # the admission feeding it: stale evictions return budget
+    producers: int | None = None  # close_partition calls that close it (None: unchanged / 1)
+
+
+class ClosePartition(_Msg, frozen=True, tag="close_partition"):
+    """One producer is done: no new rows once every declared producer closed the partition."""
+
+    partition: str
 
 
 class CountRejected(_Msg, frozen=True, tag="count_rejected"):
@@ -271,6 +278,7 @@ Request = (
     | Release
     | ClearSamples
     | ClearPartition
+    | ClosePartition
     | GetStats
     | Store
     | Fetch
