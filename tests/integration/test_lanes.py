@@ -302,3 +302,26 @@ def test_sync_request_during_an_outage_waits_at_most_connect_timeout() -> None:
             with pytest.raises(tqstream.ConnectionLostError, match=r"within 1.0s"):
                 client.list_keys("outage")
             assert time.monotonic() - t0 < 1.0 + 2
+
+
+def test_a_forked_child_never_tears_down_the_parents_sockets(address: str) -> None:
+    """A DataLoader worker or multiprocessing child inherits the client's ZMQ objects; dropping
+    them there (garbage collection) must not close the parent's live sockets."""
+    import gc
+    import os
+
+    with tqstream.connect(address) as client:
+        roundtrip(client, "lanes-fork", 1)
+        pid = os.fork()
+        if pid == 0:  # the child: drop every inherited reference, collect, leave
+            code = 0
+            try:
+                for obj in gc.get_objects():
+                    if isinstance(obj, zmq.Socket) and not obj.closed:
+                        code |= 0 if obj._shadow else 1
+                        obj.__del__()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0  # every inherited socket was a shadow
+        roundtrip(client, "lanes-fork", 2)  # the parent's connections still work

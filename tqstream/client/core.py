@@ -55,7 +55,7 @@ from tqstream.protocol.messages import (
     Store,
     Welcome,
 )
-from tqstream.protocol.transport import Connection
+from tqstream.protocol.transport import Connection, context
 from tqstream.types import BatchMeta, Stats
 
 T = TypeVar("T")
@@ -140,7 +140,7 @@ class ClientCore:
     ) -> ClientCore:
         """Connect to the controller at ``address``; ``ctx``, when given, is the embedded
         servers' context (needed for ``inproc://`` addresses) and stays open at close."""
-        own = zmq.Context[Any]() if ctx is None else None
+        own = context() if ctx is None else None
         try:
             conn = await cls._connect(own or ctx, address, config)  # type: ignore[arg-type]
         except BaseException:

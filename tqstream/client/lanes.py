@@ -34,6 +34,7 @@ import zmq
 from tqstream.client.core import ClientCore
 from tqstream.config import ClientConfig
 from tqstream.errors import ClosedError
+from tqstream.protocol.transport import context
 from tqstream.types import BatchMeta
 
 T = TypeVar("T")
@@ -52,7 +53,7 @@ class Lane:
         self.thread = threading.current_thread()
         self.busy = False
         self.loop = asyncio.new_event_loop()
-        self.ctx = zmq.Context[Any]()
+        self.ctx = context()
         # a byte on this pair ends a request waiting on the lane's thread (interrupt())
         self._wake, self._waker = socket.socketpair()
         try:
@@ -125,7 +126,7 @@ class LoopLane:
         self, address: str, config: ClientConfig, release: Callable[[BatchMeta], None]
     ) -> None:
         self.loop = asyncio.get_running_loop()
-        self.ctx = zmq.Context[Any]()
+        self.ctx = context()
         self._address, self._config, self._release = address, config, release
         self._opening: asyncio.Task[ClientCore] | None = None
         self.unsupported = False  # the loop cannot watch file descriptors (add_reader)

@@ -55,7 +55,7 @@ from tqstream.protocol.messages import (
     StatsReply,
     UnitStatsReply,
 )
-from tqstream.protocol.transport import Connection, Responder, Server
+from tqstream.protocol.transport import Connection, Responder, Server, shared_context
 from tqstream.types import Stats, UnitStats
 
 __all__ = ["ControllerService"]
@@ -66,7 +66,7 @@ class ControllerService:
         self, config: ControllerConfig, ctx: zmq.Context[Any] | None = None, inproc: bool = False
     ) -> None:
         self.config = config
-        self.ctx = ctx or zmq.Context[Any].instance()
+        self.ctx = ctx or shared_context()
         self.state = ControllerState(
             lease_timeout=config.lease_timeout, put_timeout=config.put_timeout
         )

@@ -17,6 +17,7 @@ import zmq
 from tqstream.client.loop import LoopThread
 from tqstream.config import ClientConfig, ControllerConfig, StorageConfig, from_env
 from tqstream.controller.service import ControllerService
+from tqstream.protocol.transport import context
 from tqstream.storage.service import StorageService
 
 __all__ = ["EmbeddedCluster", "init"]
@@ -40,7 +41,7 @@ class EmbeddedCluster:
             raise
 
     async def _start(self, cc: ControllerConfig, sc: StorageConfig, n: int) -> None:
-        self._ctx = zmq.Context[Any]()
+        self._ctx = context()
         loop = asyncio.get_running_loop()
         self.controller = ControllerService(cc, self._ctx, inproc=True)
         self.units: list[StorageService] = []

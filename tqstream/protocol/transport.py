@@ -29,7 +29,9 @@ import contextlib
 import inspect
 import itertools
 import math
+import os
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -77,11 +79,42 @@ A zero-copy send makes libzmq hand the buffer back through pyzmq's garbage-colle
 thread wake-up and a GIL hand-over per frame, which costs more than copying a few hundred KiB."""
 
 
+_OWNED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def context() -> zmq.Context[Any]:
+    """A new ZMQ context that a forked child will never tear down (see :func:`_disown`)."""
+    ctx = zmq.Context[Any]()
+    _OWNED.add(ctx)
+    return ctx
+
+
+def shared_context() -> zmq.Context[Any]:
+    """pyzmq's process-wide context (the servers' default), disowned in forked children too."""
+    ctx = zmq.Context[Any].instance()
+    _OWNED.add(ctx)
+    return ctx
+
+
+def _disown() -> None:
+    """A forked child (a DataLoader worker, a multiprocessing pool) inherits this process's ZMQ
+    contexts and sockets, but their libzmq state (I/O threads, mailboxes) still belongs to the
+    parent: a child that closed one, e.g. in a ``__del__`` during its garbage collection, would
+    tear down the parent's live socket. In the child they become shadows, which pyzmq never
+    closes; the child opens connections of its own."""
+    for obj in list(_OWNED):
+        obj._shadow = True
+
+
+os.register_at_fork(after_in_child=_disown)
+
+
 def _socket(ctx: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
     """A socket with the blocking API (also from a ``zmq.asyncio`` context), closed by
     ``ctx.destroy()`` like any other."""
     sock = ctx.socket(kind, socket_class=zmq.Socket)
     sock.copy_threshold = COPY_THRESHOLD
+    _OWNED.add(sock)
     return sock
 
 

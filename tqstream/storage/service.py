@@ -39,7 +39,7 @@ from tqstream.protocol.messages import (
     Store,
     UnitStatsReply,
 )
-from tqstream.protocol.transport import Connection, Responder, Server
+from tqstream.protocol.transport import Connection, Responder, Server, shared_context
 from tqstream.storage.columns import ColumnStore
 from tqstream.types import UnitStats
 
@@ -59,7 +59,7 @@ class StorageService:
     ) -> None:
         self.config = config
         self.controller = controller
-        self.ctx = ctx or zmq.Context[Any].instance()
+        self.ctx = ctx or shared_context()
         self.segments = shm.UnitSegments() if shm.available() else None
         self._dropped: list[int] = []
         self.store = ColumnStore(on_release=self._released)
