@@ -1,0 +1,44 @@
+"""Framework adapters: tqstream as verl, AReaL and plain PyTorch trainers expect to see it.
+
+``import tqstream.adapters`` loads no framework: each adapter module imports its framework when it
+is itself imported, and raises an ImportError naming the install command if that framework is
+missing.
+
+- :mod:`tqstream.adapters.torch` — ``ExperienceDataset`` (an ``IterableDataset`` for
+  ``DataLoader``/``StatefulDataLoader``) and ``ExperienceWriter`` for producers.
+- :mod:`tqstream.adapters.areal` — AReaL's ``StalenessManager`` backed by the controller, a
+  ``RolloutWorkflow`` wrapper that stores each accepted trajectory, a ``prepare_batch``-shaped
+  consumer.
+- :mod:`tqstream.adapters.verl` — ``DataProto`` ⇄ rows, a drop-in ``MessageQueueClient`` for the
+  fully-async recipe, the AsyncRL recipe's experience calls and the slot API.
+
+Each provides ``async_put_experience(data, current_version, ...)`` and
+``async_get_experience(count, current_version, ...)`` (and sync twins) through a staleness window,
+with that framework's defaults. docs/adapters.md says how to wire each into its trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["areal", "require", "torch", "verl"]
+
+_SUBMODULES = ("areal", "torch", "verl")
+
+
+def require(module: str, framework: str, install: str) -> ModuleType:
+    """Import ``module`` or raise an ImportError that says how to install ``framework``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"this tqstream adapter needs {framework} ({module!r} could not be imported: {e}); "
+            f"install it with: {install}"
+        ) from e
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

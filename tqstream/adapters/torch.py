@@ -1,0 +1,335 @@
+"""Plain PyTorch: an ``IterableDataset`` that reads fresh batches, and a writer for producers.
+
+    writer = ExperienceWriter(address, partition="train")           # each rollout process
+    writer.put_experience({"input_ids": [ids], "rewards": [r]}, current_version=v, group=uid)
+    writer.close()                                                   # this producer is done
+
+    ds = ExperienceDataset(address, ["input_ids", "rewards"], batch_size=64,
+                           staleness=StalenessPolicy(max_staleness=2), version_fn=lambda: step)
+    for batch in DataLoader(ds, batch_size=None, collate_fn=ExperienceDataset.collate):
+        train(batch)            # acked when the next batch is asked for (ack="next")
+
+Rows are handed out by the controller under leases, never by client-side sharding, so any number
+of DataLoader workers, processes and data-parallel ranks reading one task never see a row twice
+and never skip one: a batch that is not acked (the trainer crashed before its step ended) returns
+to the others when its lease expires. Each process connects by itself (a ``Client`` cannot cross
+a fork), so the dataset holds the cluster's address and pickles to workers as such.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+from torch.utils.data import IterableDataset, get_worker_info
+
+import tqstream
+from tqstream.client.admission import AdmissionHandle
+from tqstream.client.client import Client, PadValues
+from tqstream.errors import InvalidRequestError, PartitionDrainedError
+from tqstream.experience import Experience, StalenessPolicy
+from tqstream.types import BatchMeta
+
+__all__ = ["ExperienceDataset", "ExperienceWriter"]
+
+META_KEY = "_tqstream_meta"  # the batch's lease, a non-tensor entry that crosses worker queues
+_ACK_MODES = ("next", "manual")
+_NEXT_IN_WORKER = (
+    "ack='next' acks a batch when the next one is asked for, but a DataLoader worker is asked "
+    "ahead of the training step; with num_workers > 0 build the dataset with ack='manual' and "
+    "call dataset.ack(batch) after each step"
+)
+
+
+class _Connection:
+    """A client per process: the given one in the process that built it, a new connection
+    (to the same address) in any other, e.g. a DataLoader worker after the fork."""
+
+    def __init__(self, source: str | Client) -> None:
+        self._client: Client | None
+        if isinstance(source, Client):
+            self.address, self._client, self._pid = source.address, source, os.getpid()
+        elif isinstance(source, str):
+            self.address, self._client, self._pid = source, None, os.getpid()
+        else:
+            raise InvalidRequestError(
+                f"pass the cluster's address (client.address, 'tcp://HOST:PORT') or a Client, "
+                f"got {type(source).__name__}"
+            )
+
+    def client(self) -> Client:
+        if self._client is None or self._pid != os.getpid():
+            self._client, self._pid = tqstream.connect(self.address), os.getpid()
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.address, self._client, self._pid = state["address"], None, -1
+
+
+def meta_of(batch: TensorDictBase) -> BatchMeta:
+    """The lease of a batch yielded by :class:`ExperienceDataset` (to ack it elsewhere)."""
+    raw = batch.get_non_tensor(META_KEY, default=None)
+    if raw is None:
+        raise InvalidRequestError(
+            f"this TensorDict carries no tqstream lease ({META_KEY!r}): pass a batch exactly as "
+            f"ExperienceDataset yielded it"
+        )
+    return msgspec.convert(raw, BatchMeta)
+
+
+class ExperienceDataset(IterableDataset[TensorDictBase]):
+    """Batches of ``batch_size`` rows of ``fields`` read by ``task`` through a staleness window.
+
+    Each yielded ``TensorDict`` holds the fields (ragged ones as jagged nested tensors, or with
+    ``padded=True`` padded plus ``<field>_lengths``) and its lease under ``"_tqstream_meta"``.
+    ``version_fn() -> int`` gives the trainer's current policy version for each read (needed by a
+    staleness window; it also feeds the per-task lag histogram).
+
+    ``ack``: ``"next"`` acks a batch when the next one is asked for, i.e. after the training
+    step that used it (``num_workers=0``: a worker is asked ahead of the trainer, so it cannot
+    know); ``"manual"``: call :meth:`ack` with the batch after the step (any ``num_workers``).
+    Unacked rows go back to the task when their lease expires, so a crash loses nothing.
+
+    ``finite``: end the iteration once the producers closed the partition
+    (``ExperienceWriter.close``) and it is drained; otherwise iterate forever, waiting for rows.
+
+    ``share_group``: the ``torch.distributed`` group of ranks that share a data-parallel rank
+    (tensor/pipeline/sequence-parallel peers): its first rank leases each batch and sends the
+    lease to the others, so they all train on identical rows; different data-parallel ranks
+    lease disjoint rows. Needs ``num_workers=0``.
+    """
+
+    def __init__(
+        self, source: str | Client, fields: Sequence[str], batch_size: int, *,
+        partition: str = "train", task: str = "actor",
+        staleness: StalenessPolicy | None = None,
+        version_fn: Callable[[], int] | None = None, whole_groups: bool = False,
+        padded: bool = False, pad_values: PadValues = 0, ack: str = "next", finite: bool = False,
+        timeout: float | None = None, lease_timeout: float | None = None,
+        share_group: Any = None,
+    ) -> None:  # fmt: skip
+        if ack not in _ACK_MODES:
+            raise InvalidRequestError(f"ack must be 'next' or 'manual', got {ack!r}")
+        if not fields:
+            raise InvalidRequestError(
+                "ExperienceDataset needs the fields to read, e.g. ['input_ids']"
+            )
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise InvalidRequestError(f"batch_size must be a positive int, got {batch_size!r}")
+        staleness = StalenessPolicy() if staleness is None else staleness
+        if staleness.max_staleness is not None and version_fn is None:
+            raise InvalidRequestError(
+                "a staleness window needs the trainer's version: pass version_fn=lambda: "
+                "<current policy version>"
+            )
+        self._conn = _Connection(source)
+        self.fields, self.batch_size, self.partition, self.task = (
+            list(fields), batch_size, partition, task)  # fmt: skip
+        self.staleness, self.version_fn, self.whole_groups = staleness, version_fn, whole_groups
+        self.padded, self.pad_values, self.ack_mode, self.finite = padded, pad_values, ack, finite
+        self.timeout, self.lease_timeout, self.share_group = timeout, lease_timeout, share_group
+        self._pending: BatchMeta | None = None  # yielded, acked when the next batch is asked for
+        self._yielded = 0
+        self._restored: BatchMeta | None = None
+
+    @staticmethod
+    def collate(batch: TensorDictBase) -> TensorDictBase:
+        """``DataLoader(..., batch_size=None, collate_fn=ExperienceDataset.collate)``: batches
+        are already whole (the default would try to convert a TensorDict row by row)."""
+        return batch
+
+    def loader(self, num_workers: int = 0, **kwargs: Any) -> torch.utils.data.DataLoader:
+        """A ``DataLoader`` over this dataset with the settings it needs. With workers, batches
+        are delivered as they come (``in_order=False``): in order, a worker's batch would wait
+        for a slower worker's turn while its lease runs."""
+        if num_workers > 0:
+            if self.ack_mode == "next":
+                raise InvalidRequestError(_NEXT_IN_WORKER)
+            kwargs.setdefault("in_order", False)
+        return torch.utils.data.DataLoader(
+            self, batch_size=None, collate_fn=ExperienceDataset.collate,
+            num_workers=num_workers, **kwargs,
+        )  # fmt: skip
+
+    # --- reading ---
+    def _version(self) -> int | None:
+        return None if self.version_fn is None else self.version_fn()
+
+    def _batch(self, client: Client, meta: BatchMeta) -> TensorDictBase:
+        data = client.get_data(meta, padded=self.padded, pad_values=self.pad_values)
+        data.set_non_tensor(META_KEY, msgspec.to_builtins(meta))
+        return data
+
+    def __iter__(self) -> Iterator[TensorDictBase]:
+        in_worker = get_worker_info() is not None
+        if in_worker and self.ack_mode == "next":
+            raise InvalidRequestError(_NEXT_IN_WORKER)
+        if in_worker and self.share_group is not None:
+            raise InvalidRequestError(
+                "share_group sends each lease over torch.distributed, which DataLoader workers "
+                "cannot use: read with num_workers=0"
+            )
+        client = self._conn.client()
+        client.create_partition(self.partition, self.fields)  # wait for producers, not fail
+        if self._restored is not None:  # trained before the checkpoint this run resumes from
+            client.ack(self._restored)
+            self._restored = None
+        while True:
+            self._ack_pending(client)
+            meta = self._next_meta(client)
+            if meta is None:
+                return
+            self._pending = meta if self.ack_mode == "next" and self._leader else None
+            self._yielded += 1
+            yield self._batch(client, meta)
+
+    @property
+    def _leader(self) -> bool:
+        return self.share_group is None or dist.get_rank(self.share_group) == 0
+
+    def _next_meta(self, client: Client) -> BatchMeta | None:
+        """The next lease (None: the finite stream ended), shared across ``share_group``."""
+        meta: BatchMeta | None = None
+        if self._leader:
+            try:
+                meta = client.get_meta(**self._window(None, None))
+            except PartitionDrainedError:
+                if not self.finite:
+                    raise
+        if self.share_group is not None:
+            meta = _broadcast_meta(meta, self.share_group)
+        return meta
+
+    def _window(self, count: int | None, version: int | None) -> dict[str, Any]:
+        version = self._version() if version is None else version
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise InvalidRequestError(
+                f"current_version must be the trainer's policy version (an int), got {version!r}"
+            )
+        s = self.staleness
+        return dict(
+            partition=self.partition, fields=self.fields,
+            batch_size=self.batch_size if count is None else count, task=self.task,
+            whole_groups=self.whole_groups, lease_timeout=self.lease_timeout,
+            timeout=self.timeout, current_version=version,
+            max_staleness=s.max_staleness if version is not None else None,
+            measure=s.measure, on_stale=s.on_stale,
+        )  # fmt: skip
+
+    def get_experience(self, count: int | None = None, current_version: int | None = None
+                       ) -> TensorDictBase:  # fmt: skip
+        """One batch outside a DataLoader (``count`` rows, default ``batch_size``; version from
+        ``version_fn`` unless given), with its lease: ack it with :meth:`ack`."""
+        client = self._conn.client()
+        return self._batch(client, client.get_meta(**self._window(count, current_version)))
+
+    async def async_get_experience(
+        self, count: int | None = None, current_version: int | None = None
+    ) -> TensorDictBase:
+        client = self._conn.client()
+        meta = await client.async_get_meta(**self._window(count, current_version))
+        data = await client.async_get_data(meta, padded=self.padded, pad_values=self.pad_values)
+        data.set_non_tensor(META_KEY, msgspec.to_builtins(meta))
+        return data
+
+    def _ack_pending(self, client: Client) -> None:
+        if self._pending is not None:
+            client.ack(self._pending)
+            self._pending = None
+
+    # --- acks ---
+    def ack(self, batch: TensorDictBase | BatchMeta) -> int:
+        """Consume a yielded batch (``ack="manual"``), from any process; twice is harmless."""
+        meta = batch if isinstance(batch, BatchMeta) else meta_of(batch)
+        return self._conn.client().ack(meta)
+
+    def release(self, batch: TensorDictBase | BatchMeta) -> int:
+        """Give a yielded batch back unconsumed (another reader gets it now)."""
+        meta = batch if isinstance(batch, BatchMeta) else meta_of(batch)
+        return self._conn.client().release(meta)
+
+    # --- StatefulDataLoader ---
+    def state_dict(self) -> dict[str, Any]:
+        """The position: the controller holds what was consumed; this holds the batch yielded
+        last and not yet acked (``ack="next"``), which the checkpointed step trained on."""
+        pending = None if self._pending is None else msgspec.to_builtins(self._pending)
+        return {"batches_yielded": self._yielded, "pending": pending}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: the batch the checkpoint trained on is acked when iteration starts."""
+        self._yielded = int(state.get("batches_yielded", 0))
+        pending = state.get("pending")
+        self._restored = None if pending is None else msgspec.convert(pending, BatchMeta)
+
+
+def _broadcast_meta(meta: BatchMeta | None, group: Any) -> BatchMeta | None:
+    """The group's first rank's lease to every rank of ``group`` (None: end of stream), as
+    msgpack bytes in a uint8 tensor over the group's own backend."""
+    src = dist.get_global_rank(group, 0)
+    payload = b"" if meta is None else msgspec.msgpack.encode(meta)
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    n = int(size.item())
+    if n == 0:
+        return None
+    buf = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if payload
+        else torch.empty(n, dtype=torch.uint8)
+    )
+    dist.broadcast(buf, src=src, group=group)
+    return msgspec.msgpack.decode(buf.numpy().tobytes(), type=BatchMeta)
+
+
+class ExperienceWriter:
+    """A producer's handle on a partition: put one trajectory or one group per call, tagged with
+    the policy version that generated it; ``close()`` says this producer is done (see
+    ``ExperienceDataset(finite=True)``). ``admission``: slots handed back by each put (see
+    :class:`tqstream.Experience`). ``producers``: how many writers close the partition."""
+
+    def __init__(
+        self, source: str | Client, *, partition: str = "train",
+        fields: Sequence[str] | None = None, admission: AdmissionHandle | None = None,
+        versions_field: str | None = "versions", reject_mixed_versions: bool = False,
+        producers: int | None = None,
+    ) -> None:  # fmt: skip
+        self._conn = _Connection(source)
+        client = self._conn.client()
+        self.experience = Experience(
+            client, partition=partition, fields=fields, admission=admission,
+            versions_field=versions_field, reject_mixed_versions=reject_mixed_versions,
+        )  # fmt: skip
+        if producers is not None:
+            client.create_partition(partition, producers=producers)
+        self.partition = partition
+        self.closed = False
+
+    def put_experience(self, data: Any, current_version: int, **kwargs: Any) -> BatchMeta:
+        """Store rows generated under ``current_version``; ``group=`` one id for all of them
+        (one prompt's samples). Other arguments as :meth:`tqstream.Experience.put_experience`."""
+        return self.experience.put_experience(data, current_version, **kwargs)
+
+    async def async_put_experience(
+        self, data: Any, current_version: int, **kwargs: Any
+    ) -> BatchMeta:
+        return await self.experience.async_put_experience(data, current_version, **kwargs)
+
+    def close(self) -> None:
+        """This producer is done: once every declared producer closed it, readers drain it."""
+        if not self.closed:
+            self.closed = True
+            self._conn.client().close_partition(self.partition)
+
+    def __enter__(self) -> ExperienceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

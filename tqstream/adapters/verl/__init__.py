@@ -1,0 +1,47 @@
+"""tqstream for verl: ``DataProto`` ⇄ rows, the fully-async recipe's queue and slots, AsyncRL.
+
+- :func:`dataproto_to_rows` / :func:`rows_to_dataproto` — a rollout ``DataProto`` as unpadded
+  rows (``uid`` as the group, ``non_tensor_batch`` as fields, ``meta_info`` kept) and back,
+  re-padded to the trainer's widths; a put's rows give back an equal ``DataProto``.
+- :class:`VerlExperience` — ``put_experience(DataProto, v)`` / ``get_experience(n, v)`` through a
+  staleness window measured from the dispatch version (verl v1, AsyncRL).
+- :class:`MessageQueueClient` — the fully-async recipe's queue client, same methods, backed by
+  tqstream, with back-pressure instead of dropping the oldest sample.
+- :class:`ReplayBufferSlots` — ``acquire_slot()`` / ``release_slot()`` / ``reset_staleness()`` of
+  the fully-async TransferQueue recipe, as verl calls them.
+- :class:`AsyncRLExperience` — the AsyncRL recipe's ``async_put_experience`` /
+  ``async_get_experience``, one request with a real window.
+
+Importing this module imports ``verl.protocol`` (an ImportError naming the install command if verl
+is missing); ``MessageQueueClient.get_sample`` also needs verl's fully-async recipe module.
+docs/adapters/verl.md shows how to wire each into verl's trainers.
+"""
+
+from __future__ import annotations
+
+from tqstream.adapters import require
+
+require("verl.protocol", "verl", "pip install verl==0.9.1")
+
+from tqstream.adapters.verl.asyncrl import AsyncRLExperience  # noqa: E402
+from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows, stored_fields  # noqa: E402
+from tqstream.adapters.verl.experience import VerlBatch, VerlExperience  # noqa: E402
+from tqstream.adapters.verl.layout import DERIVED_FIELDS, LAYOUT_FIELD, RESPONSE_FIELDS  # noqa: E402
+from tqstream.adapters.verl.queue import MessageQueueClient  # noqa: E402
+from tqstream.adapters.verl.rebuild import rows_to_dataproto  # noqa: E402
+from tqstream.adapters.verl.slots import ReplayBufferSlots  # noqa: E402
+
+__all__ = [
+    "DERIVED_FIELDS",
+    "LAYOUT_FIELD",
+    "RESPONSE_FIELDS",
+    "AsyncRLExperience",
+    "MessageQueueClient",
+    "ReplayBufferSlots",
+    "RowBatch",
+    "VerlBatch",
+    "VerlExperience",
+    "dataproto_to_rows",
+    "rows_to_dataproto",
+    "stored_fields",
+]

@@ -1,0 +1,220 @@
+"""``DataProto`` in, ``DataProto`` out: a verl trainer's experience partition on tqstream.
+
+Producers put each rollout ``DataProto`` (one prompt's group, or one trajectory at a time with
+``group_size``) under the policy version that generated it; the trainer gets a fresh
+``DataProto`` of whole ``uid`` groups through a staleness window, trains, acks. Defaults follow
+verl: the window measures from the *dispatch* version (the version when generation was requested,
+which is what verl's v1 trainer and the AsyncRL recipe count staleness from; it is the put's version
+unless ``dispatch_version`` says otherwise), groups are the ``uid``, and every read rebuilds the
+padded ``input_ids`` / ``attention_mask`` / ``position_ids`` verl's workers expect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows, stored_fields
+from tqstream.adapters.verl.groups import GroupFields, check_version
+from tqstream.adapters.verl.rebuild import rows_to_dataproto
+from tqstream.client.admission import AdmissionHandle
+from tqstream.client.client import Client
+from tqstream.errors import InvalidRequestError
+from tqstream.experience import Experience, ExperienceBatch, StalenessPolicy
+from tqstream.types import BatchMeta
+
+__all__ = ["VerlBatch", "VerlExperience"]
+
+Versions = int | Sequence[int | None] | None
+DISPATCH_WINDOW = StalenessPolicy(measure="dispatch")
+"""verl's default window: measured from the dispatch version, unbounded until configured."""
+
+
+@dataclasses.dataclass
+class VerlBatch:
+    """A leased batch as a ``DataProto``: ``data``; ``meta`` (rows, lease); ``ack`` after the
+    step (the rows are then consumed by this task), ``release`` to give them back."""
+
+    meta: BatchMeta
+    data: Any  # verl.protocol.DataProto
+    client: Client = dataclasses.field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    @property
+    def versions(self) -> list[int | None]:
+        return list(self.meta.version_start)
+
+    @property
+    def stale_dropped(self) -> int:
+        return self.meta.stale_dropped
+
+    def ack(self) -> int:
+        return self.client.ack(self.meta)
+
+    async def async_ack(self) -> int:
+        return await self.client.async_ack(self.meta)
+
+    def release(self) -> int:
+        return self.client.release(self.meta)
+
+    async def async_release(self) -> int:
+        return await self.client.async_release(self.meta)
+
+
+class VerlExperience:
+    """A partition of verl rollouts: ``put_experience(DataProto, v)`` / ``get_experience(n, v)``.
+
+    ``fields``: the ``DataProto`` keys the trainer reads (batch and non-tensor; the derived
+    ``input_ids``/``attention_mask``/``position_ids`` are always rebuilt); None reads every field
+    the partition has when the get is made. ``staleness``: the read window (default: dispatch
+    measure, no bound). ``admission``: a handle whose slot ids ``put_experience(slots=)`` releases.
+    ``response_fields`` / ``pad_token_id``: see :func:`dataproto_to_rows`; ``prompt_length`` /
+    ``response_length``: the widths reads re-pad to (None: the widest put's).
+    """
+
+    def __init__(
+        self, client: Client, *, partition: str = "train", fields: Sequence[str] | None = None,
+        staleness: StalenessPolicy = DISPATCH_WINDOW,
+        admission: AdmissionHandle | None = None, tasks: Sequence[str] | None = None,
+        response_fields: Sequence[str] = (), pad_token_id: int | None = None,
+        prompt_length: int | None = None, response_length: int | None = None,
+        lease_timeout: float | None = None, ttl: float | None = None,
+    ) -> None:  # fmt: skip
+        self.client = client
+        self.fields = None if fields is None else stored_fields(fields)
+        self.response_fields = tuple(response_fields)
+        self.pad_token_id, self.prompt_length, self.response_length = (
+            pad_token_id, prompt_length, response_length)  # fmt: skip
+        self.experience = Experience(
+            client, partition=partition, fields=self.fields, staleness=staleness,
+            admission=admission, versions_field=None, tasks=tasks,
+            lease_timeout=lease_timeout, ttl=ttl,
+        )  # fmt: skip
+        self._groups = GroupFields()
+
+    @property
+    def partition(self) -> str:
+        return self.experience.partition
+
+    # --- producers ---
+    def _rows(self, data: Any, version: object, group_size: int | None) -> RowBatch:
+        check_version(version)
+        rows = dataproto_to_rows(
+            data, response_fields=self.response_fields, pad_token_id=self.pad_token_id
+        )
+        if group_size is not None and rows.groups is None:
+            raise InvalidRequestError(
+                "group_size= needs the rows' groups: give the DataProto a non_tensor_batch['uid'] "
+                "(verl's GRPO group id)"
+            )
+        return rows
+
+    def put_experience(
+        self, data: Any, current_version: int, *, group_size: int | None = None,
+        dispatch_version: Versions = None, slots: Sequence[int] | None = None,
+        keys: Sequence[str] | None = None, timeout: float | None = None,
+    ) -> BatchMeta:  # fmt: skip
+        """Store a rollout ``DataProto`` generated under ``current_version``, in one put.
+
+        Groups are its ``uid``; ``group_size``: the group's size when its members come in several
+        puts (then they must agree on fields: ``GroupError``). ``dispatch_version``: the version
+        when generation was requested (int or one per row; default ``current_version``).
+        ``slots``: admission slot ids this put ends (see ``Experience.put_experience``). A bad
+        ``DataProto`` or version raises before anything is stored.
+        """
+        rows = self._rows(data, current_version, group_size)
+        undo = self._groups.reserve(rows.groups, rows.fields, group_size)
+        try:
+            return self.experience.put_experience(
+                rows.data, current_version, groups=rows.groups, group_size=group_size,
+                dispatch_version=dispatch_version, slots=slots, keys=keys, timeout=timeout,
+            )  # fmt: skip
+        except BaseException:
+            self._groups.undo(undo)
+            raise
+
+    async def async_put_experience(
+        self, data: Any, current_version: int, *, group_size: int | None = None,
+        dispatch_version: Versions = None, slots: Sequence[int] | None = None,
+        keys: Sequence[str] | None = None, timeout: float | None = None,
+    ) -> BatchMeta:  # fmt: skip
+        rows = self._rows(data, current_version, group_size)
+        undo = self._groups.reserve(rows.groups, rows.fields, group_size)
+        try:
+            return await self.experience.async_put_experience(
+                rows.data, current_version, groups=rows.groups, group_size=group_size,
+                dispatch_version=dispatch_version, slots=slots, keys=keys, timeout=timeout,
+            )  # fmt: skip
+        except BaseException:
+            self._groups.undo(undo)
+            raise
+
+    # --- trainer ---
+    def _fields_of(self, fields: Sequence[str] | None, part: Any) -> list[str]:
+        """The row fields to read: the call's, the constructor's, else the partition's."""
+        if fields is not None:
+            return stored_fields(fields)
+        if self.fields is not None:
+            return self.fields
+        if part is None or not part.schemas:
+            raise InvalidRequestError(
+                f"partition {self.partition!r} has no fields yet to read; pass fields=[...] (the "
+                f"DataProto keys) to VerlExperience or get_experience so the trainer can wait for "
+                f"producers"
+            )
+        return stored_fields(part.schemas)
+
+    def _need_stats(self, fields: Sequence[str] | None) -> bool:
+        return fields is None and self.fields is None
+
+    def _convert(self, batch: ExperienceBatch) -> Any:
+        return rows_to_dataproto(
+            batch.data, prompt_length=self.prompt_length, response_length=self.response_length,
+            pad_token_id=self.pad_token_id,
+        )  # fmt: skip
+
+    def get_experience(
+        self, count: int, current_version: int, *, task: str = "actor",
+        fields: Sequence[str] | None = None, whole_groups: bool = True,
+        timeout: float | None = None,
+    ) -> VerlBatch:  # fmt: skip
+        """Lease the ``count`` oldest rows inside the window (whole ``uid`` groups by default) as
+        one ``DataProto``; waits up to ``timeout`` seconds (None: forever). If the rows cannot be
+        turned into a ``DataProto``, their lease is released and the error raised."""
+        check_version(current_version, "trainer")
+        part = None
+        if self._need_stats(fields):
+            part = self.client.stats(self.partition).partitions.get(self.partition)
+        batch = self.experience.get_experience(
+            count, current_version, task=task, fields=self._fields_of(fields, part),
+            whole_groups=whole_groups, timeout=timeout,
+        )  # fmt: skip
+        try:
+            data = self._convert(batch)
+        except BaseException:
+            batch.release()
+            raise
+        return VerlBatch(batch.meta, data, self.client)
+
+    async def async_get_experience(
+        self, count: int, current_version: int, *, task: str = "actor",
+        fields: Sequence[str] | None = None, whole_groups: bool = True,
+        timeout: float | None = None,
+    ) -> VerlBatch:  # fmt: skip
+        check_version(current_version, "trainer")
+        part = None
+        if self._need_stats(fields):
+            part = (await self.client.async_stats(self.partition)).partitions.get(self.partition)
+        batch = await self.experience.async_get_experience(
+            count, current_version, task=task, fields=self._fields_of(fields, part),
+            whole_groups=whole_groups, timeout=timeout,
+        )  # fmt: skip
+        try:
+            data = self._convert(batch)
+        except BaseException:
+            await batch.async_release()
+            raise
+        return VerlBatch(batch.meta, data, self.client)

@@ -1,0 +1,138 @@
+"""verl's padded token layout, both ways: per-row lengths from the mask, strip, re-pad. Pure torch.
+
+verl's rollout (``AgentLoopWorker._agent_loop_postprocess``) pads every trajectory to fixed widths:
+``prompts`` ``[B, P]`` left-padded, ``responses`` and the response-aligned fields
+(``response_mask``, ``rollout_log_probs``) ``[B, R]`` right-padded, and
+``attention_mask`` ``[B, P + R]`` 1 exactly on the real tokens. So the mask alone gives each row's
+prompt and response length, and a row is its real tokens plus those two lengths. These functions
+check that a mask really has that shape (a hole, or 1s over padding, would make the stripped rows
+wrong) and move between the two layouts with a few vectorised ops, never a Python loop over rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqstream.errors import InvalidRequestError, SchemaError
+
+__all__ = [
+    "attention_mask",
+    "check_padding",
+    "mask_lengths",
+    "pad_rows",
+    "strip",
+]
+
+
+def _first_bad_row(bad: torch.Tensor) -> int:
+    return int(bad.nonzero()[0, 0])
+
+
+def mask_lengths(mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's prompt and response length (int64 ``[B]``) from a verl ``attention_mask``.
+
+    The prompt part must be left-padded (0s, then 1s) and the response part right-padded (1s,
+    then 0s), with only 0 and 1 in it: verl builds it so, and anything else means the mask and
+    the padding disagree, so stripping by it would keep padding or lose tokens.
+    """
+    if mask.ndim != 2:
+        raise SchemaError(
+            f"attention_mask must be [batch, prompt_length + response_length], got shape "
+            f"{list(mask.shape)}"
+        )
+    binary = (mask == 0) | (mask == 1)
+    if not bool(binary.all()):
+        row = _first_bad_row(~binary.all(dim=1))
+        raise InvalidRequestError(
+            f"attention_mask row {row} holds values other than 0 and 1 "
+            f"({mask[row].unique().tolist()}); verl's attention_mask is 1 on real tokens and 0 on "
+            f"padding"
+        )
+    m = mask.to(torch.int64)
+    prompt, response = m[:, :prompt_width], m[:, prompt_width:]
+    holes = (prompt[:, 1:] < prompt[:, :-1]).any(dim=1)
+    if bool(holes.any()):
+        row = _first_bad_row(holes)
+        raise InvalidRequestError(
+            f"attention_mask row {row} is not left-padded over the prompt "
+            f"({prompt[row].tolist()}): verl left-pads prompts, so the prompt part must be 0s "
+            f"then 1s; a hole or a 1 over left padding means the mask disagrees with the padding"
+        )
+    holes = (response[:, 1:] > response[:, :-1]).any(dim=1)
+    if bool(holes.any()):
+        row = _first_bad_row(holes)
+        raise InvalidRequestError(
+            f"attention_mask row {row} is not right-padded over the response "
+            f"({response[row].tolist()}): verl right-pads responses, so the response part must "
+            f"be 1s then 0s; a hole or a 1 over right padding means the mask disagrees with the "
+            f"padding"
+        )
+    return prompt.sum(dim=1), response.sum(dim=1)
+
+
+def check_padding(name: str, t: torch.Tensor, keep: torch.Tensor, pad: float, what: str) -> None:
+    """Raise unless every position of ``t`` outside ``keep`` (``[B, W]`` bool) holds ``pad``.
+
+    Stripping drops those positions and re-padding writes ``pad`` back, so anything else there
+    would not come back: it is a mask that disagrees with the data.
+    """
+    outside = t[~keep]
+    if outside.numel() == 0:
+        return
+    bad = outside != pad
+    if outside.ndim > 1:
+        bad = bad.flatten(1).any(dim=1)
+    if not bool(bad.any()):
+        return
+    per_row = torch.zeros(keep.shape, dtype=torch.bool)
+    per_row[~keep] = bad
+    row = _first_bad_row(per_row.any(dim=1))
+    col = int(per_row[row].nonzero()[0, 0])
+    value = t[row, col]
+    shown = value.item() if value.numel() == 1 else value.tolist()
+    raise InvalidRequestError(
+        f"{name} row {row} holds {shown!r} at position {col}, {what} (attention_mask is 0 there), "
+        f"where verl pads with {pad!r}: the masks disagree with the padding"
+    )
+
+
+def strip(t: torch.Tensor, keep: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of ``t`` (``[B, W, ...]``) without the positions ``keep`` (``[B, W]``) drops: one
+    gather for the batch; the rows are views of it."""
+    values = t[keep]
+    lengths = keep.sum(dim=1).tolist()
+    return list(torch.split(values, lengths))
+
+
+def pad_rows(
+    values: torch.Tensor, offsets: torch.Tensor, width: int, pad: float, *, left: bool
+) -> torch.Tensor:
+    """``[B, width, ...]`` from ragged rows (row ``i`` is ``values[offsets[i]:offsets[i+1]]``),
+    filled with ``pad``, rows aligned right (``left=True``: left padding) or left. One scatter."""
+    offsets = offsets.to(torch.int64)
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    values, offsets = values[lo:hi], offsets - lo
+    lengths = offsets[1:] - offsets[:-1]
+    n = lengths.numel()
+    out = torch.full((n, width, *values.shape[1:]), pad, dtype=values.dtype)
+    if hi > lo:
+        rows = torch.repeat_interleave(torch.arange(n), lengths, output_size=hi - lo)
+        cols = torch.arange(hi - lo) - offsets[:-1].index_select(0, rows)
+        if left:
+            cols = cols + (width - lengths).index_select(0, rows)
+        out[rows, cols] = values
+    return out
+
+
+def attention_mask(
+    prompt_lengths: torch.Tensor,
+    response_lengths: torch.Tensor,
+    prompt_width: int,
+    response_width: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """verl's ``attention_mask`` for rows of these lengths: 1s at the right of the prompt part and
+    at the left of the response part."""
+    prompt = torch.arange(prompt_width)[None, :] >= (prompt_width - prompt_lengths)[:, None]
+    response = torch.arange(response_width)[None, :] < response_lengths[:, None]
+    return torch.cat([prompt, response], dim=1).to(dtype)
