@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import zmq
 
 import tqstream
 from tqstream.launch.processes import ProcessCluster
@@ -314,8 +315,9 @@ def test_a_forked_child_never_tears_down_the_parents_sockets(address: str) -> No
         roundtrip(client, "lanes-fork", 1)
         pid = os.fork()
         if pid == 0:  # the child: drop every inherited reference, collect, leave
-            code = 0
+            code = 2  # anything that goes wrong in the child fails the test
             try:
+                code = 0
                 for obj in gc.get_objects():
                     if isinstance(obj, zmq.Socket) and not obj.closed:
                         code |= 0 if obj._shadow else 1
