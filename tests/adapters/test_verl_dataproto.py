@@ -1,0 +1,480 @@
+"""verl ``DataProto`` ⇄ tqstream rows against the real ``DataProto`` and real servers.
+
+``make_dataproto`` builds batches the way verl's agent loop pads them (``_agent_loop_postprocess``:
+left-padded prompts, right-padded responses / response_mask / rollout_log_probs, input_ids their
+concatenation, position_ids from ``verl.utils.model.compute_position_id_with_mask``); the other
+verl test files import it from here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+pytest.importorskip("verl")
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from verl.protocol import DataProto, _deep_equal
+from verl.utils.model import compute_position_id_with_mask
+
+import tqstream
+from tqstream.adapters.verl import (
+    LAYOUT_FIELD,
+    VerlExperience,
+    dataproto_to_rows,
+    rows_to_dataproto,
+)
+
+_names = itertools.count()
+
+
+def make_dataproto(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    *,
+    prompt_length: int | None = None,
+    response_length: int | None = None,
+    pad: int = 0,
+    response_masks: Sequence[Sequence[int]] | None = None,
+    logprob_dtype: torch.dtype | None = torch.float32,
+    mask_dtype: torch.dtype = torch.int64,
+    input_ids: bool = True,
+    position_ids: bool = True,
+    non_tensor: dict[str, np.ndarray] | None = None,
+    meta_info: dict[str, Any] | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> DataProto:
+    """A rollout ``DataProto`` padded as verl's agent loop pads it (widths: the longest row unless
+    given); ``rollout_log_probs`` is -0.5 - 0.01 * position on real tokens, 0 on padding."""
+    n = len(prompts)
+    p_width = prompt_length if prompt_length is not None else max(map(len, prompts), default=0)
+    r_width = response_length if response_length is not None else max(map(len, responses))
+    p = torch.full((n, p_width), pad, dtype=torch.int64)
+    r = torch.full((n, r_width), pad, dtype=torch.int64)
+    mask = torch.zeros(n, p_width + r_width, dtype=torch.int64)
+    rmask = torch.zeros(n, r_width, dtype=torch.int64)
+    logp = torch.zeros(n, r_width, dtype=torch.float64)
+    for i, (pi, ri) in enumerate(zip(prompts, responses, strict=True)):
+        p[i, p_width - len(pi) :] = torch.tensor(pi, dtype=torch.int64)
+        r[i, : len(ri)] = torch.tensor(ri, dtype=torch.int64)
+        mask[i, p_width - len(pi) : p_width + len(ri)] = 1
+        rm = response_masks[i] if response_masks is not None else [1] * len(ri)
+        rmask[i, : len(ri)] = torch.tensor(rm, dtype=torch.int64)
+        logp[i, : len(ri)] = -0.5 - 0.01 * torch.arange(len(ri), dtype=torch.float64)
+    batch: dict[str, torch.Tensor] = {
+        "prompts": p,
+        "responses": r,
+        "response_mask": rmask,
+        "attention_mask": mask.to(mask_dtype),
+    }
+    if input_ids:
+        batch["input_ids"] = torch.cat([p, r], dim=1)
+    if position_ids:
+        batch["position_ids"] = compute_position_id_with_mask(mask)
+    if logprob_dtype is not None:
+        batch["rollout_log_probs"] = logp.to(logprob_dtype)
+    batch.update(extra or {})
+    return DataProto(
+        batch=TensorDict(batch, batch_size=[n]),
+        non_tensor_batch=dict(non_tensor or {}),
+        meta_info=dict(meta_info or {}),
+    )
+
+
+def uids(*groups: int) -> np.ndarray:
+    """``uid`` for contiguous groups of these sizes, as verl's ``repeat(interleave=True)``."""
+    out = [f"uid-{g}" for g, size in enumerate(groups) for _ in range(size)]
+    return np.array(out, dtype=object)
+
+
+def assert_dataproto_equal(a: DataProto, b: DataProto) -> None:
+    """Equal batches (keys, dtypes, values), non_tensor_batch (keys, numpy dtypes, values, element
+    types: verl's ``_deep_equal``) and meta_info."""
+    assert a.batch.batch_size == b.batch.batch_size
+    assert sorted(a.batch.keys()) == sorted(b.batch.keys())
+    for key in a.batch.keys():  # noqa: SIM118
+        x, y = a.batch.get(key), b.batch.get(key)
+        assert x.dtype == y.dtype and x.shape == y.shape, (key, x.dtype, y.dtype, x.shape, y.shape)
+        assert torch.equal(x, y), key
+    assert sorted(a.non_tensor_batch) == sorted(b.non_tensor_batch)
+    for key, x in a.non_tensor_batch.items():
+        y = b.non_tensor_batch[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, (key, x.dtype, y.dtype)
+        if x.dtype.kind == "O":
+            assert _deep_equal(x, y, set()), (key, x, y)
+        else:
+            assert np.array_equal(x, y), (key, x, y)
+    assert _deep_equal(a.meta_info, b.meta_info, set()), (a.meta_info, b.meta_info)
+
+
+def put_and_read(client: tqstream.Client, dp: DataProto, partition: str, **read: Any) -> DataProto:
+    """One put of ``dp``'s rows (uid groups), one whole-groups get of them all, converted back."""
+    rows = dataproto_to_rows(dp)
+    client.put(rows.data, partition, groups=rows.groups, version=0)
+    batch = client.get(partition, rows.fields, len(dp), "actor", whole_groups=True, timeout=10)
+    batch.ack()
+    return rows_to_dataproto(batch, **read)
+
+
+# --- the round trip, as a property -----------------------------------------------------------
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False, width=64)
+    | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+@st.composite
+def dataprotos(draw: st.DrawFn) -> tuple[DataProto, int | None]:
+    """Random shapes, paddings, dtypes, non-tensor fields and uid groups; ``(dp, pad_token_id
+    to pass or None to infer)``."""
+    group_sizes = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    n = sum(group_sizes)
+    pad = draw(st.sampled_from([0, 1, 151643]))
+    token = st.integers(2, 50_000)
+    p_lens = draw(st.lists(st.integers(1, 7), min_size=n, max_size=n))
+    r_lens = draw(st.lists(st.integers(0, 7), min_size=n, max_size=n))
+    prompts = [draw(st.lists(token, min_size=k, max_size=k)) for k in p_lens]
+    responses = [draw(st.lists(token, min_size=k, max_size=k)) for k in r_lens]
+    masks = [draw(st.lists(st.integers(0, 1), min_size=k, max_size=k)) for k in r_lens]
+    extra_p, extra_r = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    p_width, r_width = max(p_lens) + extra_p, max(max(r_lens), 1) + extra_r
+    non_tensor: dict[str, np.ndarray] = {}
+    if draw(st.booleans()):
+        non_tensor["uid"] = uids(*group_sizes)
+    if draw(st.booleans()):
+        objects = np.empty(n, dtype=object)
+        for i in range(n):
+            objects[i] = draw(_JSON)
+        non_tensor["extras"] = objects
+    if draw(st.booleans()):
+        non_tensor["__num_turns__"] = np.array(
+            draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)), dtype=np.int32
+        )
+    if draw(st.booleans()):
+        non_tensor["data_source"] = np.array(
+            draw(st.lists(st.text("abc", max_size=5), min_size=n, max_size=n))
+        )
+    extra = {}
+    if draw(st.booleans()):  # a dense per-token field kept padded (e.g. verl's rm_scores)
+        extra["rm_scores"] = torch.tensor(
+            draw(st.lists(st.floats(-5, 5, width=32), min_size=n * r_width, max_size=n * r_width)),
+            dtype=torch.float32,
+        ).reshape(n, r_width)
+    dp = make_dataproto(
+        prompts,
+        responses,
+        prompt_length=p_width,
+        response_length=r_width,
+        pad=pad,
+        response_masks=masks,
+        logprob_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64, None])),
+        mask_dtype=draw(st.sampled_from([torch.int64, torch.int32, torch.bool])),
+        input_ids=draw(st.booleans()),
+        position_ids=draw(st.booleans()),
+        non_tensor=non_tensor,
+        meta_info=draw(st.dictionaries(st.text(max_size=5), _JSON, max_size=3)),
+        extra=extra,
+    )
+    return dp, pad if draw(st.booleans()) else None
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=dataprotos())
+def test_round_trip_through_tqstream_gives_an_equal_dataproto(
+    client: tqstream.Client, case: tuple[DataProto, int | None]
+) -> None:
+    dp, pad = case
+    partition = f"verl-prop-{next(_names)}"
+    rows = dataproto_to_rows(dp, pad_token_id=pad)
+    assert LAYOUT_FIELD in rows.data and "attention_mask" not in rows.data
+    meta = client.put(rows.data, partition, groups=rows.groups, version=3)
+    batch = client.get(partition, rows.fields, len(dp), "actor", whole_groups=True, timeout=10)
+    assert batch.meta.keys == meta.keys  # one put, contiguous groups: put order
+    back = rows_to_dataproto(batch, pad_token_id=pad)
+    assert_dataproto_equal(dp, back)
+    # padded reads (padded tensors + <field>_lengths) give the same DataProto
+    again = client.get_by_keys(partition, meta.keys, rows.fields, padded=True)
+    assert_dataproto_equal(dp, rows_to_dataproto(again.data, pad_token_id=pad))
+    client.clear_partition(partition)
+
+
+# --- what is stored ------------------------------------------------------------------------------
+def test_rows_are_unpadded_and_uid_is_the_group(client: tqstream.Client, partition: str) -> None:
+    dp = make_dataproto(
+        [[5, 6], [7, 8, 9]],
+        [[10], [11, 12, 13]],
+        prompt_length=6,
+        response_length=5,
+        response_masks=[[1], [1, 0, 1]],
+        non_tensor={"uid": uids(2)},
+    )
+    rows = dataproto_to_rows(dp)
+    assert rows.groups == ["uid-0", "uid-0"]
+    assert [t.tolist() for t in rows.data["prompts"]] == [[5, 6], [7, 8, 9]]
+    assert [t.tolist() for t in rows.data["responses"]] == [[10], [11, 12, 13]]
+    assert [t.tolist() for t in rows.data["response_mask"]] == [[1], [1, 0, 1]]
+    meta = client.put(rows.data, partition, groups=rows.groups, version=0)
+    assert meta.groups == ["uid-0", "uid-0"]
+    schemas = client.stats(partition).partitions[partition].schemas
+    assert schemas["prompts"].kind == "ragged" and schemas["rollout_log_probs"].kind == "ragged"
+    assert schemas["uid"].kind == "object"
+    assert not {"input_ids", "attention_mask", "position_ids"} & set(schemas)
+
+
+def test_re_pads_to_the_requested_widths(client: tqstream.Client, partition: str) -> None:
+    """Rows put at one width read back as verl pads them at another (e.g. a trainer's
+    rollout.prompt_length), mask and positions rebuilt."""
+    prompts, responses = [[5, 6], [7, 8, 9]], [[10], [11, 12, 13]]
+    narrow = make_dataproto(prompts, responses, pad=3, non_tensor={"uid": uids(2)})
+    wide = make_dataproto(
+        prompts, responses, prompt_length=8, response_length=6, pad=3, non_tensor={"uid": uids(2)}
+    )
+    got = put_and_read(client, narrow, partition, prompt_length=8, response_length=6)
+    assert_dataproto_equal(wide, got)
+    assert got.batch["attention_mask"][0].tolist() == [0] * 6 + [1] * 3 + [0] * 5
+
+
+def test_rows_of_several_puts_merge_as_dataproto_concat(
+    client: tqstream.Client, partition: str
+) -> None:
+    """One read of two puts' rows is verl's own DataProto.concat of the two (meta_info's
+    per-worker metrics gathered)."""
+    a = make_dataproto(
+        [[5, 6]], [[10, 11]], prompt_length=3, response_length=4,
+        non_tensor={"uid": uids(1)}, meta_info={"metrics": [{"t": 1.0}], "global_steps": 2},
+    )  # fmt: skip
+    b = make_dataproto(
+        [[7]], [[12]], prompt_length=3, response_length=4,
+        non_tensor={"uid": np.array(["uid-9"], dtype=object)},
+        meta_info={"metrics": [{"t": 2.0}], "global_steps": 2},
+    )  # fmt: skip
+    fields = None
+    for dp in (a, b):
+        rows = dataproto_to_rows(dp)
+        client.put(rows.data, partition, groups=rows.groups, version=0)
+        fields = rows.fields
+    assert fields is not None
+    batch = client.get(partition, fields, 2, "actor", whole_groups=True, timeout=10)
+    assert_dataproto_equal(DataProto.concat([a, b]), rows_to_dataproto(batch))
+
+
+def test_rows_of_other_producers_convert_too(client: tqstream.Client, partition: str) -> None:
+    """Rows without the layout field (not put from a DataProto) still become a DataProto."""
+    client.put(
+        {
+            "prompts": [torch.tensor([5, 6]), torch.tensor([7])],
+            "responses": [torch.tensor([8]), torch.tensor([9, 10])],
+            "rollout_log_probs": [torch.tensor([-0.5]), torch.tensor([-0.25, -0.75])],
+            "reward": torch.tensor([1.0, 0.0]),
+            "uid": ["a", "b"],
+        },
+        partition,
+    )
+    batch = client.get(
+        partition, ["prompts", "responses", "rollout_log_probs", "reward", "uid"], 2, "t"
+    )
+    dp = rows_to_dataproto(batch)
+    assert dp.batch["prompts"].tolist() == [[5, 6], [0, 7]]
+    assert dp.batch["responses"].tolist() == [[8, 0], [9, 10]]
+    assert dp.batch["attention_mask"].tolist() == [[1, 1, 1, 0], [0, 1, 1, 1]]
+    assert dp.batch["position_ids"].tolist() == [[0, 1, 2, 2], [0, 0, 1, 2]]
+    assert dp.batch["rollout_log_probs"].tolist() == [[-0.5, 0.0], [-0.25, -0.75]]
+    assert dp.non_tensor_batch["uid"].tolist() == ["a", "b"]
+
+
+def test_too_narrow_widths_are_refused(client: tqstream.Client, partition: str) -> None:
+    dp = make_dataproto([[5, 6, 7]], [[8, 9]])
+    rows = dataproto_to_rows(dp)
+    client.put(rows.data, partition, version=0)
+    batch = client.get(partition, rows.fields, 1, "actor", timeout=10)
+    with pytest.raises(
+        tqstream.InvalidRequestError,
+        match=r"prompt_length=2 is shorter than the longest row \(3 tokens\)",
+    ):
+        rows_to_dataproto(batch, prompt_length=2)
+    with pytest.raises(tqstream.InvalidRequestError, match=r"response_length=1 is shorter"):
+        rows_to_dataproto(batch, response_length=1)
+
+
+# --- bad input: a typed error, and nothing stored ------------------------------------------------
+def _good() -> DataProto:
+    return make_dataproto(
+        [[5, 6], [7, 8, 9]], [[10], [11, 12]], prompt_length=4, response_length=3,
+        non_tensor={"uid": uids(2)},
+    )  # fmt: skip
+
+
+def _with(dp: DataProto, **tensors: torch.Tensor) -> DataProto:
+    batch = {k: dp.batch.get(k) for k in dp.batch.keys()}  # noqa: SIM118
+    batch.update(tensors)
+    return DataProto(
+        batch=TensorDict(batch, batch_size=[len(dp)]),
+        non_tensor_batch=dict(dp.non_tensor_batch),
+        meta_info=dict(dp.meta_info),
+    )
+
+
+def _mask_hole() -> DataProto:
+    dp = _good()
+    mask = dp.batch["attention_mask"].clone()
+    mask[1, 2] = 0  # row 1's prompt [7, 8, 9] has a hole
+    return _with(dp, attention_mask=mask, position_ids=compute_position_id_with_mask(mask))
+
+
+def _mask_over_left_padding() -> DataProto:
+    dp = _good()
+    mask = dp.batch["attention_mask"].clone()
+    mask[0, 1] = 1  # row 0's prompt is [0, 0, 5, 6]: the mask now covers the pad at 1
+    return _with(dp, attention_mask=mask, position_ids=compute_position_id_with_mask(mask))
+
+
+def _response_mask_beyond_response() -> DataProto:
+    dp = _good()
+    rmask = dp.batch["response_mask"].clone()
+    rmask[0, 2] = 1  # row 0's response is 1 token long
+    return _with(dp, response_mask=rmask)
+
+
+def _response_mask_too_long() -> DataProto:
+    dp = _good()
+    return _with(dp, response_mask=torch.ones(2, 4, dtype=torch.int64))
+
+
+def _response_hole() -> DataProto:
+    dp = _good()
+    mask = dp.batch["attention_mask"].clone()
+    mask[1, 4], mask[1, 6] = 0, 1
+    return _with(dp, attention_mask=mask, position_ids=compute_position_id_with_mask(mask))
+
+
+def _logprobs_in_padding() -> DataProto:
+    dp = _good()
+    logp = dp.batch["rollout_log_probs"].clone()
+    logp[0, 2] = -1.0
+    return _with(dp, rollout_log_probs=logp)
+
+
+def _two_pad_ids() -> DataProto:
+    dp = _good()
+    prompts = dp.batch["prompts"].clone()
+    prompts[0, 0] = 17  # a padding position (mask 0) holding another id
+    return _with(dp, prompts=prompts, input_ids=torch.cat([prompts, dp.batch["responses"]], 1))
+
+
+def _input_ids_mismatch() -> DataProto:
+    dp = _good()
+    ids = dp.batch["input_ids"].clone()
+    ids[0, 3] += 1
+    return _with(dp, input_ids=ids)
+
+
+def _position_ids_mismatch() -> DataProto:
+    dp = _good()
+    return _with(dp, position_ids=dp.batch["position_ids"] + 1)
+
+
+def _non_tensor(value: Any) -> DataProto:
+    dp = _good()
+    arr = np.empty(2, dtype=object)
+    arr[0], arr[1] = value, None
+    return DataProto(batch=dp.batch, non_tensor_batch={**dp.non_tensor_batch, "extras": arr})
+
+
+IE, SE = tqstream.InvalidRequestError, tqstream.SchemaError
+BAD = {
+    "mask-hole": (
+        _mask_hole, IE,
+        r"attention_mask row 1 is not left-padded over the prompt \(\[0, 1, 0, 1\]\)",
+    ),
+    "mask-over-left-padding": (
+        _mask_over_left_padding, IE,
+        r"attention_mask row 0 is 1 over the prompt's left padding \(its first attended token "
+        r"is the pad id 0\)",
+    ),
+    "response-mask-beyond-response": (
+        _response_mask_beyond_response, IE,
+        r"response_mask row 0 holds 1 at position 2, beyond the response \(attention_mask is 0 "
+        r"there\)",
+    ),
+    "response-mask-too-long": (
+        _response_mask_too_long, IE,
+        r"response_mask has shape \[2, 4\] but responses is 3 tokens wide",
+    ),
+    "response-hole": (
+        _response_hole, IE,
+        r"attention_mask row 1 is not right-padded over the response \(\[0, 1, 1\]\)",
+    ),
+    "logprobs-in-padding": (
+        _logprobs_in_padding, IE,
+        r"rollout_log_probs row 0 holds -1.0 at position 2, beyond the response",
+    ),
+    "two-pad-ids": (_two_pad_ids, IE, r"hold several token ids \[0, 17\]"),
+    "input-ids": (_input_ids_mismatch, IE, r"input_ids \(\[2, 7\]\) is not prompts ⧺ responses"),
+    "position-ids": (
+        _position_ids_mismatch, IE,
+        r"position_ids row 0 is not cumsum\(attention_mask\) - 1",
+    ),
+    "mask-width": (
+        lambda: _with(_good(), attention_mask=torch.ones(2, 6, dtype=torch.int64)), SE,
+        r"attention_mask has shape \[2, 6\] but prompts ⧺ responses is \[2, 4 \+ 3\]",
+    ),
+    "no-prompts": (
+        lambda: DataProto(batch=TensorDict({"input_ids": torch.ones(2, 3)}, batch_size=[2])), SE,
+        r"the DataProto has no \['prompts', 'responses', 'attention_mask'\] in its batch",
+    ),
+    "tuple": (
+        lambda: _non_tensor((1, 2)), SE,
+        r"non_tensor_batch\['extras'\] row 0 holds a tuple \(it would come back as a list\)",
+    ),
+    "numpy-scalar": (
+        lambda: _non_tensor(np.float64(0.5)), SE,
+        r"non_tensor_batch\['extras'\] row 0 holds a numpy.float64 value",
+    ),
+    "nan": (lambda: _non_tensor(float("nan")), SE, r"row 0 holds the float nan \(JSON has no NaN"),
+    "int-key": (
+        lambda: _non_tensor({1: "a"}), SE,
+        r"holds the dict key 1 \(int; JSON keys come back as str\)",
+    ),
+    "meta-info": (
+        lambda: DataProto(batch=_good().batch, meta_info={"t": torch.ones(1)}), SE,
+        r"meta_info holds a torch.Tensor value",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "error", "match"), list(BAD.values()), ids=list(BAD))
+def test_bad_dataproto_is_refused_and_nothing_is_stored(
+    client: tqstream.Client, partition: str, build: Any, error: type[Exception], match: str
+) -> None:
+    exp = VerlExperience(client, partition=partition, fields=["responses"])
+    with pytest.raises(error, match=match):
+        exp.put_experience(build(), current_version=0)
+    assert client.list_keys(partition) == []
+    assert client.stats(partition).partitions[partition].rows == 0
+
+
+def test_a_given_pad_id_finds_the_position_that_disagrees() -> None:
+    with pytest.raises(
+        tqstream.InvalidRequestError,
+        match=r"prompts row 0 holds 17 at position 0, left of the prompt \(attention_mask is 0 "
+        r"there\), where verl pads with 0",
+    ):
+        dataproto_to_rows(_two_pad_ids(), pad_token_id=0)
