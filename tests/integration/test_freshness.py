@@ -859,3 +859,27 @@ def test_admission_shared_by_two_processes(
         0,
         0,
     )
+
+
+def test_admission_async_twins(client: Client, partition: str) -> None:
+    import asyncio
+
+    cap = client.admission("capacity", name=f"cap-{partition}", max_concurrent=4,
+                           max_staleness=0, consumer_batch_size=2)  # fmt: skip
+    slots = client.admission("slots", name=f"slots-{partition}", max_version_slots=1,
+                             max_pending_slots=4)  # fmt: skip
+
+    async def main() -> None:
+        await cap.async_on_rollout_enqueued(2)
+        slot = await cap.async_on_rollout_submitted()
+        assert cap.state()["running"] == 1
+        await cap.async_release([slot], "accepted")
+        await cap.async_on_version_recovered(3)
+        assert cap.state()["running"] == 0 and cap.state()["version"] == 3
+        first = await slots.async_acquire_slot(timeout=1)
+        assert first is not None and await slots.async_acquire_slot(timeout=0.2) is None
+        slots.release_slot(first)
+        await slots.async_reset_staleness()  # a new version window
+        assert await slots.async_acquire_slot(timeout=1) is not None
+
+    asyncio.run(main())

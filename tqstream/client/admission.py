@@ -97,6 +97,10 @@ class AdmissionHandle:
         msg = AdmissionVersion(rid=0, name=self.name, version=version, recovered=True)
         self._call(msg, Ok)
 
+    async def async_on_version_recovered(self, version: int) -> None:
+        msg = AdmissionVersion(rid=0, name=self.name, version=version, recovered=True)
+        await self._acall(msg, Ok)
+
     def state(self) -> State:
         return self._call(AdmissionInfo(rid=0, name=self.name), AdmissionReply).state
 
@@ -115,9 +119,15 @@ class AdmissionHandle:
     def on_rollout_enqueued(self, n: int = 1) -> None:
         self._call(AdmissionInfo(rid=0, name=self.name, enqueued=n), AdmissionReply)
 
+    async def async_on_rollout_enqueued(self, n: int = 1) -> None:
+        await self._acall(AdmissionInfo(rid=0, name=self.name, enqueued=n), AdmissionReply)
+
     def on_rollout_submitted(self) -> int:
         """One running slot, granted regardless of capacity (AReaL checks get_capacity first)."""
         return self._call(Acquire(rid=0, name=self.name, force=True), Slots).slot_ids[0]
+
+    async def async_on_rollout_submitted(self) -> int:
+        return (await self._acall(Acquire(rid=0, name=self.name, force=True), Slots)).slot_ids[0]
 
     def on_rollout_accepted(self, slot_id: int) -> None:
         self.release([slot_id], "accepted")
@@ -145,3 +155,6 @@ class AdmissionHandle:
     def reset_staleness(self) -> None:
         """After a weight sync: reopen the version window (verl's Layer 2)."""
         self._call(AdmissionVersion(rid=0, name=self.name, version=0, reset=True), Ok)
+
+    async def async_reset_staleness(self) -> None:
+        await self._acall(AdmissionVersion(rid=0, name=self.name, version=0, reset=True), Ok)

@@ -19,7 +19,6 @@ and not yet consumed; docs/adapters/verl.md says what that means for ``max_versi
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import functools
 import time
@@ -139,7 +138,7 @@ class ReplayBufferSlots:
         """After a weight sync: open a new version window (waiting ``acquire_slot`` calls wake).
         Returns metrics for the trainer's logger: the time since this object's previous reset
         (``fully_async/rollouter/version_time``) and the admission's counters."""
-        await asyncio.to_thread(self.admission.reset_staleness)  # the handle has no async twin
+        await self.admission.async_reset_staleness()
         return self._timing(await self.admission.async_state())
 
     def reset_staleness_sync(self) -> dict:
