@@ -16,8 +16,8 @@ import torch
 import zmq
 
 import tqstream
-from tqstream.protocol.transport import _OWNED
 from tqstream.launch.processes import ProcessCluster
+from tqstream.protocol.transport import _OWNED
 
 
 @pytest.fixture(scope="module")
