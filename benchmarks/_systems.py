@@ -101,8 +101,17 @@ class TaskSystem(System):
     def put_rows(self, partition: str, data: Any) -> None:
         raise NotImplementedError
 
-    def take(self, partition: str, rows: int, task: str) -> tuple[Data, Any]:
-        """Wait for ``rows`` rows ``task`` has not read; return their data and a token."""
+    def take(
+        self,
+        partition: str,
+        rows: int,
+        task: str,
+        *,
+        fields: Sequence[str] = FIELDS,
+        timeout: float = WAIT,
+    ) -> tuple[Data, Any]:
+        """Wait for ``rows`` rows ``task`` has not read; return their ``fields`` and a token.
+        Raises ``TimeoutError`` after ``timeout`` seconds."""
         raise NotImplementedError
 
     def ack(self, token: Any) -> None:
@@ -489,8 +498,18 @@ class TQStream(TaskSystem):
     def put_rows(self, partition: str, data: Any) -> None:
         self.client.put(data, partition)
 
-    def take(self, partition: str, rows: int, task: str) -> tuple[Data, Any]:
-        batch = self.client.get(partition, FIELDS, batch_size=rows, task=task, timeout=WAIT)
+    def take(
+        self,
+        partition: str,
+        rows: int,
+        task: str,
+        *,
+        fields: Sequence[str] = FIELDS,
+        timeout: float = WAIT,
+    ) -> tuple[Data, Any]:
+        batch = self.client.get(
+            partition, list(fields), batch_size=rows, task=task, timeout=timeout
+        )
         return batch.data, batch.meta
 
     def ack(self, token: Any) -> None:
@@ -579,11 +598,19 @@ class TransferQueue(TaskSystem):
     def put_rows(self, partition: str, data: Any) -> None:
         self.client.put(data=data, partition_id=partition)
 
-    def take(self, partition: str, rows: int, task: str) -> tuple[Data, Any]:
-        deadline = time.monotonic() + WAIT
+    def take(
+        self,
+        partition: str,
+        rows: int,
+        task: str,
+        *,
+        fields: Sequence[str] = FIELDS,
+        timeout: float = WAIT,
+    ) -> tuple[Data, Any]:
+        deadline = time.monotonic() + timeout
         while True:
             meta = self.client.get_meta(
-                data_fields=list(FIELDS), batch_size=rows, partition_id=partition, task_name=task
+                data_fields=list(fields), batch_size=rows, partition_id=partition, task_name=task
             )
             if meta.size:
                 return self.client.get_data(meta), meta
@@ -605,8 +632,8 @@ class TransferQueue(TaskSystem):
         if partition in self.client.get_partition_list():
             self.client.clear_partition(partition)
 
-    def rows(self, partition: str) -> int:
-        _, status = self.client.get_production_status(list(FIELDS), partition)
+    def rows(self, partition: str, fields: Sequence[str] = FIELDS) -> int:
+        _, status = self.client.get_production_status(list(fields), partition)
         if status is None or status.numel() == 0:
             return 0
         return int(status.reshape(status.shape[0], -1).all(dim=1).sum())

@@ -2,6 +2,9 @@
 
 A row has ``input_ids`` int64 [L], ``attention_mask`` bool [L], ``old_logprobs`` float32 [L],
 ``token_versions`` int32 [L] and a float32 scalar ``rewards``: 17 bytes per token plus 4 per row.
+A trajectory of the producers scenario is what one rollout worker emits: ``input_ids`` int64,
+``logprobs`` float32 and per-token ``versions`` int32 (-1 on the prompt), all ragged, and a
+float32 ``rewards``: 16 bytes per token plus 4.
 """
 
 from __future__ import annotations
@@ -16,18 +19,24 @@ __all__ = [
     "CONCURRENCY",
     "FIELDS",
     "METADATA_ROWS",
+    "PRODUCERS",
     "SCENARIOS",
     "SWEEP_BATCHES",
     "SWEEP_LENGTH",
+    "TRAJECTORY_FIELDS",
     "Batch",
     "Concurrency",
+    "Producers",
     "Scenario",
+    "Trajectories",
     "make_batch",
+    "make_trajectories",
     "quick",
     "row_ids",
 ]
 
 FIELDS = ("input_ids", "attention_mask", "old_logprobs", "token_versions", "rewards")
+TRAJECTORY_FIELDS = ("input_ids", "logprobs", "versions", "rewards")
 
 
 def quick() -> bool:
@@ -76,6 +85,60 @@ class Concurrency:
         return dataclasses.replace(self, puts=2, rows=16, length=32, rounds=1, warmup=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Producers:
+    """``producers`` processes each put ``rows / producers`` rows, ``group`` rows per put (one
+    trajectory, or one group of a prompt's samples), while one consumer reads ``batch`` rows at a
+    time and acks them. Trajectory lengths are uniform in ``[min_length, max_length]``, the
+    first ``prompt`` tokens of each carry version -1. ``warmup_rows`` go through once, untimed,
+    before the measured rounds (connections, worker pools and caches warm up; data checked)."""
+
+    group: int = 1
+    producers: int = 8
+    rows: int = 4096
+    batch: int = 256
+    min_length: int = 768
+    max_length: int = 1280
+    prompt: int = 256
+    rounds: int = 1
+    warmup_rows: int = 256
+
+    def __post_init__(self) -> None:
+        # every producer puts the same number of whole puts; the consumer reads whole batches
+        for total in (self.rows, self.warmup_rows):
+            if total % (self.producers * self.group) or total % self.batch:
+                raise ValueError(
+                    f"{total} rows must split into {self.producers} producers x puts of "
+                    f"{self.group} rows and into batches of {self.batch}"
+                )
+
+    def puts(self, rows: int) -> int:
+        """Puts per producer for ``rows`` rows in all."""
+        return rows // (self.producers * self.group)
+
+    @property
+    def case(self) -> str:
+        what = "1 trajectory" if self.group == 1 else f"1 group of {self.group}"
+        return (
+            f"{self.producers} producers x {what} per put, L {self.min_length}-{self.max_length}, "
+            f"batches of {self.batch}, {self.rows} rows"
+        )
+
+    def sized(self) -> Producers:
+        if not quick():
+            return self
+        return dataclasses.replace(
+            self,
+            producers=2,
+            rows=16 * self.group,
+            batch=4 * self.group,
+            min_length=48,
+            max_length=80,
+            prompt=16,
+            warmup_rows=4 * self.group,
+        )
+
+
 SCENARIOS = {
     s.name: s
     for s in (
@@ -86,6 +149,12 @@ SCENARIOS = {
     )
 }
 CONCURRENCY = Concurrency()
+PRODUCERS = {
+    # one trajectory per put is the slow case for every system: half the rows keep the full run
+    # within ~2 minutes on 2 cores (TransferQueue moves ~170 of them a second there)
+    "trajectory": Producers(group=1, rows=2048),
+    "group": Producers(group=8, rows=4096),
+}
 METADATA_ROWS = (10**3, 10**4, 10**5, 10**6)
 SWEEP_BATCHES = (16, 64, 256, 1024)
 SWEEP_LENGTH = 1024
@@ -163,3 +232,43 @@ def make_batch(
 def row_ids(data: Mapping[str, torch.Tensor]) -> list[int]:
     """The row ids carried by ``rewards``."""
     return [int(x) for x in data["rewards"].tolist()]
+
+
+@dataclasses.dataclass
+class Trajectories:
+    """One put of the producers scenario: ``len(rewards)`` trajectories."""
+
+    ragged: dict[str, list[torch.Tensor]]
+    """``input_ids``, ``logprobs``, ``versions``: one 1-D tensor per trajectory."""
+    rewards: torch.Tensor
+    """float32 [k]: the row ids."""
+
+    def fields(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """The dict of lists of tensors a producer starts each put from."""
+        return {**self.ragged, "rewards": self.rewards}
+
+
+def make_trajectories(
+    config: Producers, puts: int, *, first_id: int, seed: int
+) -> list[Trajectories]:
+    """``puts`` puts of ``config.group`` trajectories each, with row ids ``first_id, ...`` in
+    ``rewards`` (see :func:`make_batch`); the same arguments give the same tensors, so the
+    consumer's process can rebuild what a producer process put and compare."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[Trajectories] = []
+    for p in range(puts):
+        lengths = torch.randint(
+            config.min_length, config.max_length + 1, (config.group,), generator=gen
+        ).tolist()
+        ids, logprobs, versions = [], [], []
+        for n in lengths:
+            ids.append(torch.randint(0, 32000, (n,), generator=gen, dtype=torch.int64))
+            logprobs.append(-torch.rand(n, generator=gen))
+            version = torch.zeros(n, dtype=torch.int32)
+            version[: min(config.prompt, n)] = -1
+            versions.append(version)
+        start = first_id + p * config.group
+        rewards = torch.arange(start, start + config.group, dtype=torch.float32)
+        ragged = {"input_ids": ids, "logprobs": logprobs, "versions": versions}
+        out.append(Trajectories(ragged, rewards))
+    return out

@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.report import (
     METADATA_NOTE,
     ORDER,
+    PRODUCERS_NOTE,
     RATIO_NOTE,
     ROOT,
     machine,
@@ -119,8 +120,9 @@ def page(doc: dict[str, Any], keep: str, has_plot: bool, image: str) -> str:
             "workers, all measured in one pytest-benchmark run (`benchmarks/`, described in "
             "[benchmarks/README.md](../benchmarks/README.md)). Each round of a data scenario is "
             "a complete round trip: put, get (usable torch tensors on the consumer side), ack / "
-            "clear. Numbers from a small shared machine move between runs; compare systems within "
-            "one table.",
+            "clear; a round of the producers scenario is the exchange of a fixed number of rows "
+            "between producer processes and one consumer. Numbers from a small shared machine "
+            "move between runs; compare systems within one table.",
             100,
         ),
         "",
@@ -148,7 +150,7 @@ def page(doc: dict[str, Any], keep: str, has_plot: bool, image: str) -> str:
         "",
         textwrap.fill(
             f"Median time per round; MB/s = payload bytes per round / median; {RATIO_NOTE}; "
-            f"{METADATA_NOTE}.",
+            f"{METADATA_NOTE}; {PRODUCERS_NOTE}.",
             100,
         ),
         "",

@@ -24,7 +24,7 @@ from typing import Any
 from benchmarks._systems import SYSTEMS
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = ("small", "mid", "large", "ragged", "metadata", "concurrency", "sweep")
+GROUPS = ("small", "mid", "large", "ragged", "metadata", "concurrency", "producers", "sweep")
 ORDER = SYSTEMS
 RATIO_NOTE = "ratio = tqstream median time / that system's median time (< 1: tqstream is faster)"
 ALIAS_NOTE = (
@@ -34,6 +34,12 @@ ALIAS_NOTE = (
 METADATA_NOTE = (
     "metadata: first get = the first get after filling the partition (not in the median), "
     "fill = time to put the N rows"
+)
+PRODUCERS_NOTE = (
+    "producers: rows/s = rows of the exchange / its median time; there the ratio columns divide "
+    "tqstream's rows/s by that system's (> 1: tqstream is faster); put p50 / p99 over every put "
+    "of every producer; ray-actor-queue there is verl's fully-async MessageQueue actor "
+    "(put_sample / get_sample of ray.cloudpickle'd samples)"
 )
 
 
@@ -116,12 +122,9 @@ def tables(doc: dict[str, Any]) -> list[Table]:
     def group_rank(key: tuple[str, str]) -> tuple[int, float, str]:
         group, case = key
         rank = GROUPS.index(group) if group in GROUPS else len(GROUPS)
-        rows = found[key][0].extra
-        return (
-            rank,
-            float(rows.get("rows", 0) if group == "metadata" else rows.get("batch", 0)),
-            case,
-        )
+        extra = found[key][0].extra
+        order = {"metadata": "rows", "producers": "group"}.get(group, "batch")
+        return rank, float(extra.get(order, 0)), case
 
     def system_rank(row: Row) -> int:
         return ORDER.index(row.system) if row.system in ORDER else len(ORDER)
@@ -139,7 +142,23 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e9:.3g} ns"
 
 
+def _producer_cells(table: Table) -> tuple[list[str], list[list[str]]]:
+    """Sustained rows/s, put latency and tqstream's rows/s over each system's."""
+    tq = table.ratios()
+    rate = {r.system: r.extra["rows"] / r.median for r in table.rows}
+    head = ["system", "rows/s", "MB/s", "put p50", "put p99", *(f"{t}/x rows/s" for t in tq)]
+    body = []
+    for r in table.rows:
+        cells = [r.system, f"{rate[r.system]:,.0f}", f"{r.mbps:,.1f}"]
+        cells += [_time(float(r.extra["put_p50_s"])), _time(float(r.extra["put_p99_s"]))]
+        cells += [f"{rate[t] / rate[r.system]:.3g}" for t in tq]
+        body.append(cells)
+    return head, body
+
+
 def _cells(table: Table) -> tuple[list[str], list[list[str]]]:
+    if "put_p50_s" in table.rows[0].extra:
+        return _producer_cells(table)
     tq = table.ratios()
     medians = {r.system: r.median for r in table.rows}
     extra = "first_get_s" in table.rows[0].extra
@@ -166,6 +185,8 @@ def _aliased(all_tables: Sequence[Table]) -> bool:
 
 def render_text(all_tables: Sequence[Table]) -> str:
     out = [RATIO_NOTE, "MB/s = payload bytes of one round / median round time", METADATA_NOTE]
+    if any(t.group == "producers" for t in all_tables):
+        out.append(PRODUCERS_NOTE)
     out += [ALIAS_NOTE, ""] if _aliased(all_tables) else [""]
     for table in all_tables:
         head, body = _cells(table)

@@ -3,6 +3,7 @@ scenario against every system whose packages are installed (the others skip insi
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,35 @@ def test_benchmark_suite_runs() -> None:
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     )
+
+
+def test_producers_benchmark_reports_rates_and_ratios() -> None:
+    """The producers scenario at its smallest (2 producers, 16 puts each) through the report: one
+    table per variant with rows/s, put p50 / p99 and tqstream's rows/s over each system's."""
+    systems = ["tqstream-embedded", "transferqueue"]
+    cmd = [
+        sys.executable, "-m", "benchmarks.report", "-k", "producers", "--bench-quick",
+        f"--bench-systems={','.join(systems)}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-6000:]}\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    titles = [i for i, line in enumerate(lines) if line.startswith("producers — ")]
+    assert [lines[i].split(" per put")[0] for i in titles] == [
+        "producers — 2 producers x 1 trajectory",
+        "producers — 2 producers x 1 group of 8",
+    ]
+    has_tq = all(importlib.util.find_spec(p) for p in ("ray", "transfer_queue"))
+    installed = [s for s in systems if s != "transferqueue" or has_tq]
+    for i in titles:
+        head = lines[i + 1].split()
+        assert head[:5] == ["system", "rows/s", "MB/s", "put", "p50"], lines[i + 1]
+        assert head[-2:] == ["tqstream-embedded/x", "rows/s"], lines[i + 1]
+        rows = [line.split() for line in lines[i + 2 : i + 2 + len(installed)]]
+        assert [r[0] for r in rows] == installed
+        assert rows[0][-1] == "1"  # tqstream-embedded over itself
+        for r in rows:
+            assert float(r[1].replace(",", "")) > 0 and float(r[-1]) > 0, r
 
 
 def test_interleaved_comparison_runs() -> None:
