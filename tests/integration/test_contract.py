@@ -349,3 +349,24 @@ def test_stats_print_one_line_per_part(client: Client, partition: str) -> None:
     assert any(line.startswith("storage unit 0 tcp://") for line in lines)
     part = [line for line in lines if not line.startswith("admission ")]
     assert all(len(line) < 160 for line in part)
+
+
+def test_group_members_from_other_producers_must_agree_on_fields(
+    deployment: tuple[str, str], partition: str
+) -> None:
+    """One trajectory per put from different producer processes: the controller refuses the
+    member whose fields differ, so the group never waits forever for a field."""
+    with tqstream.connect(deployment[1]) as one, tqstream.connect(deployment[1]) as two:
+        one.put({"x": [torch.arange(3)], "lp": [torch.zeros(3)]}, partition,
+                groups=["g"], group_size=2)  # fmt: skip
+        with pytest.raises(tqstream.GroupError) as err:
+            two.put({"x": [torch.arange(2)]}, partition, groups=["g"], group_size=2)
+        assert str(err.value) == (
+            "group 'g': this put's members disagree on fields with the group's earlier members "
+            "(missing ['lp']); every member of a group needs the same fields, or a whole_groups "
+            "read would wait for the group forever"
+        )
+        assert len(one.list_keys(partition)) == 1  # nothing stored by the refused put
+        two.put({"x": [torch.arange(2)], "lp": [torch.ones(2)]}, partition, groups=["g"],
+                group_size=2)  # fmt: skip
+        assert len(one.get(partition, ["x", "lp"], 2, "t", whole_groups=True, timeout=5)) == 2

@@ -60,10 +60,11 @@ class Row:
 
 
 class Group:
-    __slots__ = ("members", "size")
+    __slots__ = ("fields", "members", "size")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, fields: frozenset[str]) -> None:
         self.size = size
+        self.fields = fields  # what its first put wrote; every member is put with the same
         self.members: list[int] = []
 
 
@@ -168,8 +169,10 @@ class Partition:
         groups: Sequence[str | None] | None,
         group_size: int | None,
         version: int | None,
+        fields: frozenset[str],
     ) -> list[Row]:
-        """Create ``n`` pending rows (validated atomically: nothing changes on error)."""
+        """Create ``n`` pending rows of a put of ``fields`` (validated atomically: nothing
+        changes on error)."""
         if keys is not None:
             seen: set[str] = set()
             dup = []
@@ -191,7 +194,7 @@ class Partition:
             for g in groups:
                 if g is not None:
                     counts[g] = counts.get(g, 0) + 1
-            self._check_groups(counts, group_size)
+            self._check_groups(counts, group_size, fields)
         rows = []
         for i in range(n):
             rid = self.next_row + i
@@ -205,7 +208,7 @@ class Partition:
             if r.group is not None:
                 grp = self.groups.get(r.group)
                 if grp is None:
-                    grp = self.groups[r.group] = Group(group_size or counts[r.group])
+                    grp = self.groups[r.group] = Group(group_size or counts[r.group], fields)
                 grp.members.append(r.id)
         return rows
 
@@ -218,7 +221,12 @@ class Partition:
             key = f"{base}.{n}"
         return key
 
-    def _check_groups(self, counts: dict[str, int], group_size: int | None) -> None:
+    def _check_groups(
+        self, counts: dict[str, int], group_size: int | None, fields: frozenset[str]
+    ) -> None:
+        """A group built over several puts (one trajectory at a time, from any producer) takes
+        members of its size and of its fields only: a member without a field the others have
+        would keep a ``whole_groups`` read from ever serving the group."""
         for g, c in counts.items():
             existing = self.groups.get(g)
             size = existing.size if existing is not None else (group_size or c)
@@ -237,6 +245,16 @@ class Partition:
                     group=g,
                     size=size,
                     rows=have + c,
+                )
+            if existing is not None and existing.fields != fields:
+                missing, extra = sorted(existing.fields - fields), sorted(fields - existing.fields)
+                what = [f"missing {missing}"] if missing else []
+                what += [f"extra {extra}"] if extra else []
+                raise GroupError(
+                    f"group {g!r}: this put's members disagree on fields with the group's earlier "
+                    f"members ({', '.join(what)}); every member of a group needs the same "
+                    f"fields, or a whole_groups read would wait for the group forever",
+                    group=g,
                 )
 
     def commit_rows(self, rows: Sequence[Row], mask: int) -> None:

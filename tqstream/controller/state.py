@@ -209,7 +209,10 @@ class ControllerState(FlowControl):
         known = len(p.bits)
         mask = p.check_schemas(req.schemas)
         try:
-            rows = p.reserve_rows(req.n_rows, req.keys, req.groups, req.group_size, req.version)
+            rows = p.reserve_rows(
+                req.n_rows, req.keys, req.groups, req.group_size, req.version,
+                frozenset(req.schemas),
+            )  # fmt: skip
         except TQStreamError:
             p.forget_unused_schemas(req.schemas, self._pending_fields(req.partition))
             for f in list(p.bits)[known:]:  # fields only this refused put introduced

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tqstream.adapters.verl.groups import GroupFields, check_version
+from tqstream.adapters.verl.groups import check_version
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
 from tqstream.experience import Experience, ExperienceBatch, StalenessPolicy
@@ -59,25 +59,10 @@ class AsyncRLExperience:
             versions_field=versions_field, tasks=[task_name] if tasks is None else tasks,
             reject_mixed_versions=reject_mixed_versions, lease_timeout=lease_timeout, ttl=ttl,
         )  # fmt: skip
-        self._groups = GroupFields()
 
     @property
     def partition(self) -> str:
         return self.experience.partition
-
-    def _reserve(self, data: Any, version: object, group: Any, groups: Sequence[Any] | None,
-                 group_size: int | None) -> Any:  # fmt: skip
-        check_version(version)
-        if not isinstance(data, Mapping) or not data:
-            return {}  # the put raises its own error
-        try:
-            n = len(next(iter(data.values())))
-        except TypeError:
-            return {}  # not one value per row: the put raises its own error
-        names = [str(group)] * n if group is not None else groups
-        return self._groups.reserve(
-            None if names is None else [str(g) for g in names], list(data), group_size
-        )
 
     def put_experience(
         self, data: Mapping[str, Any], current_version: int, *, group: Any = None,
@@ -88,15 +73,11 @@ class AsyncRLExperience:
         """Store ``data`` (field -> ``[B, ...]`` tensor, or lists of per-row tensors) generated
         under ``current_version``; ``group``/``groups``/``group_size`` as in
         ``Experience.put_experience`` (members of one group must agree on fields)."""
-        undo = self._reserve(data, current_version, group, groups, group_size)
-        try:
-            return self.experience.put_experience(
-                data, current_version, group=group, groups=groups, group_size=group_size,
-                dispatch_version=dispatch_version, slots=slots, timeout=timeout,
-            )  # fmt: skip
-        except BaseException:
-            self._groups.undo(undo)
-            raise
+        check_version(current_version)
+        return self.experience.put_experience(
+            data, current_version, group=group, groups=groups, group_size=group_size,
+            dispatch_version=dispatch_version, slots=slots, timeout=timeout,
+        )  # fmt: skip
 
     async def async_put_experience(
         self, data: Mapping[str, Any], current_version: int, *, group: Any = None,
@@ -104,15 +85,11 @@ class AsyncRLExperience:
         dispatch_version: Versions = None, slots: Sequence[int] | None = None,
         timeout: float | None = None,
     ) -> BatchMeta:  # fmt: skip
-        undo = self._reserve(data, current_version, group, groups, group_size)
-        try:
-            return await self.experience.async_put_experience(
-                data, current_version, group=group, groups=groups, group_size=group_size,
-                dispatch_version=dispatch_version, slots=slots, timeout=timeout,
-            )  # fmt: skip
-        except BaseException:
-            self._groups.undo(undo)
-            raise
+        check_version(current_version)
+        return await self.experience.async_put_experience(
+            data, current_version, group=group, groups=groups, group_size=group_size,
+            dispatch_version=dispatch_version, slots=slots, timeout=timeout,
+        )  # fmt: skip
 
     def get_experience(
         self, experience_count: int, current_version: int, *, timeout: float | None = None

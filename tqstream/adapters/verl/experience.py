@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows, stored_fields
-from tqstream.adapters.verl.groups import GroupFields, check_version
+from tqstream.adapters.verl.groups import check_version
 from tqstream.adapters.verl.rebuild import rows_to_dataproto
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
@@ -93,7 +93,6 @@ class VerlExperience:
             admission=admission, versions_field=None, tasks=tasks,
             lease_timeout=lease_timeout, ttl=ttl,
         )  # fmt: skip
-        self._groups = GroupFields()
 
     @property
     def partition(self) -> str:
@@ -126,15 +125,10 @@ class VerlExperience:
         ``DataProto`` or version raises before anything is stored.
         """
         rows = self._rows(data, current_version, group_size)
-        undo = self._groups.reserve(rows.groups, rows.fields, group_size)
-        try:
-            return self.experience.put_experience(
-                rows.data, current_version, groups=rows.groups, group_size=group_size,
-                dispatch_version=dispatch_version, slots=slots, keys=keys, timeout=timeout,
-            )  # fmt: skip
-        except BaseException:
-            self._groups.undo(undo)
-            raise
+        return self.experience.put_experience(
+            rows.data, current_version, groups=rows.groups, group_size=group_size,
+            dispatch_version=dispatch_version, slots=slots, keys=keys, timeout=timeout,
+        )  # fmt: skip
 
     async def async_put_experience(
         self, data: Any, current_version: int, *, group_size: int | None = None,
@@ -142,15 +136,10 @@ class VerlExperience:
         keys: Sequence[str] | None = None, timeout: float | None = None,
     ) -> BatchMeta:  # fmt: skip
         rows = self._rows(data, current_version, group_size)
-        undo = self._groups.reserve(rows.groups, rows.fields, group_size)
-        try:
-            return await self.experience.async_put_experience(
-                rows.data, current_version, groups=rows.groups, group_size=group_size,
-                dispatch_version=dispatch_version, slots=slots, keys=keys, timeout=timeout,
-            )  # fmt: skip
-        except BaseException:
-            self._groups.undo(undo)
-            raise
+        return await self.experience.async_put_experience(
+            rows.data, current_version, groups=rows.groups, group_size=group_size,
+            dispatch_version=dispatch_version, slots=slots, keys=keys, timeout=timeout,
+        )  # fmt: skip
 
     # --- trainer ---
     def _fields_of(self, fields: Sequence[str] | None, part: Any) -> list[str]:
