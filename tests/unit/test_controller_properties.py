@@ -90,6 +90,7 @@ class MRow:
 @dataclasses.dataclass
 class MGroup:
     size: int
+    fields: frozenset[str]  # its first put's: every later member is put with the same
     members: list[int] = dataclasses.field(default_factory=list)
     lost_member: bool = False  # a committed member was cleared: the group keeps its old place
 
@@ -506,7 +507,8 @@ class ControllerMachine(RuleBasedStateMachine):
                 existing = part.groups.get(g) if part is not None else None
                 size = existing.size if existing is not None else (group_size or c)
                 have = len(existing.members) if existing is not None else 0
-                if (group_size is not None and group_size != size) or have + c > size:
+                mismatch = existing is not None and existing.fields != frozenset(schemas)
+                if (group_size is not None and group_size != size) or have + c > size or mismatch:
                     error = GroupError
         if error is not None:
             event(f"put refused: {error.__name__}")
@@ -534,7 +536,9 @@ class ControllerMachine(RuleBasedStateMachine):
             part.rows[rid] = r
             self.bytes[r.unit] += per_row
             if group is not None:
-                part.groups.setdefault(group, MGroup(group_size or counts[group]))
+                part.groups.setdefault(
+                    group, MGroup(group_size or counts[group], frozenset(schemas))
+                )
                 part.groups[group].members.append(rid)
         for f, s in schemas.items():
             part.schemas.setdefault(f, s)
