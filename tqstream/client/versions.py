@@ -9,12 +9,13 @@ Computed in the producer's process, vectorised over the batch, so the controller
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from tqstream.errors import SchemaError
 from tqstream.protocol.codec import Column
 
 _INTEGER = {"int8", "int16", "int32", "int64", "uint8"}
+_NONE = np.iinfo(np.int64).max  # "no generated token" in a row's minimum
 
 
 def row_versions(
@@ -28,24 +29,19 @@ def row_versions(
             f"int[L]), got {col.schema.describe()}; pass versions_field=None to use only version=",
             field=name,
         )
-    values = col.values.to(torch.int64)
-    if col.schema.kind == "ragged":
+    flat = col.values.numpy().astype(np.int64, copy=False).reshape(-1)
+    if col.schema.kind == "ragged":  # numpy: small per-trajectory puts cost microseconds
         assert col.offsets is not None
-        lengths = col.offsets.diff()
-        flat = values
+        bounds = col.offsets.numpy()
     else:
-        flat = values.reshape(col.n_rows, -1)
-        lengths = torch.full((col.n_rows,), flat.shape[1], dtype=torch.int64)
-        flat = flat.reshape(-1)
-    generated = flat >= 0
-    big = float(torch.iinfo(torch.int64).max)
-    lo = torch.segment_reduce(
-        torch.where(generated, flat, torch.iinfo(torch.int64).max).double(),
-        "min",
-        lengths=lengths,
-        initial=big,
-    )
-    hi = torch.segment_reduce(flat.double(), "max", lengths=lengths, initial=-1.0)
+        bounds = np.arange(col.n_rows + 1, dtype=np.int64) * (flat.shape[0] // max(col.n_rows, 1))
+    lo = np.full(col.n_rows, _NONE, dtype=np.int64)
+    hi = np.full(col.n_rows, -1, dtype=np.int64)
+    full = bounds[1:] > bounds[:-1]  # rows with at least one token
+    if full.any():
+        at = bounds[:-1][full]  # reduceat spans each start to the next: empty rows are skipped
+        lo[full] = np.minimum.reduceat(np.where(flat >= 0, flat, _NONE), at)
+        hi[full] = np.maximum.reduceat(flat, at)
     starts: list[int | None] = []
     ends: list[int | None] = []
     for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
@@ -53,6 +49,6 @@ def row_versions(
             starts.append(fallback)
             ends.append(fallback)
         else:
-            starts.append(int(a))
-            ends.append(int(b))
+            starts.append(a)
+            ends.append(b)
     return starts, ends

@@ -17,6 +17,7 @@ frame, a storage chunk or the caller's tensor. Clone before mutating.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import warnings
@@ -354,12 +355,15 @@ def _ragged_column(name: str, items: Sequence[Any]) -> Column:
             msg = _RAGGED_MISMATCH.format(first=first, this=this, i=i)
             raise _err(SchemaError, name, msg, row=i)
         rows.append(t)
-    if len({t.device for t in rows}) > 1:
-        rows = [t.cpu() for t in rows]
-    with torch.no_grad():  # one copy on the rows' device, then (accelerators) one transfer
-        values = _cpu(name, torch.cat(rows))
-    offsets = _offsets_from_lengths(torch.tensor([t.shape[0] for t in rows], dtype=_I64))
-    return Column(_ragged_schema(values), values, offsets)
+    if len(rows) == 1:  # one trajectory per put: the row is the values, no concatenation
+        values = _cpu(name, rows[0])
+    else:
+        if len({t.device for t in rows}) > 1:
+            rows = [t.cpu() for t in rows]
+        with torch.no_grad():  # one copy on the rows' device, then (accelerators) one transfer
+            values = _cpu(name, torch.cat(rows))
+    ends = itertools.accumulate(t.shape[0] for t in rows)
+    return Column(_ragged_schema(values), values, torch.tensor([0, *ends], dtype=_I64))
 
 
 def _ragged_schema(t: torch.Tensor) -> FieldSchema:
@@ -489,11 +493,14 @@ def column_from_wire(ref: ColumnRef, frames: Sequence[Any], n_rows: int | None =
     if (kind == "dense") != (ref.offsets is None):
         raise bad(f"a {kind} column {'must not' if kind == 'dense' else 'must'} carry offsets")
     values = _tensor_from_frame(ref.values, frames, "values", bad)
-    got = f"{ref.values.dtype}{list(ref.values.shape)}"
     if kind == "object":
-        if schema.dtype not in ("str", "bytes", "json") or got != f"uint8[{values.numel()}]":
+        if schema.dtype not in ("str", "bytes", "json") or (
+            ref.values.dtype != "uint8" or values.ndim != 1
+        ):
+            got = f"{ref.values.dtype}{list(ref.values.shape)}"
             raise bad(f"object<{schema.dtype}> needs 1-D uint8 str/bytes/json data, got {got}")
     elif schema.dtype != ref.values.dtype or values.ndim < 1 or values.shape[1:] != schema.shape:
+        got = f"{ref.values.dtype}{list(ref.values.shape)}"
         raise bad(f"values {got} do not match the schema {schema.describe()}")
     if ref.offsets is None:
         if n_rows is not None and values.shape[0] != n_rows:
@@ -505,12 +512,14 @@ def column_from_wire(ref: ColumnRef, frames: Sequence[Any], n_rows: int | None =
     if offsets.shape[0] < 1 or (n_rows is not None and offsets.shape[0] != n_rows + 1):
         expected = "at least 1" if n_rows is None else str(n_rows + 1)
         raise bad(f"has {offsets.shape[0]} offsets, expected {expected} (rows + 1)")
-    if int(offsets[0]) != 0:
-        raise bad(f"offsets must start at 0, got {int(offsets[0])}")
-    if bool((offsets[1:] < offsets[:-1]).any()):
+    checked = offsets.numpy()  # numpy: a fraction of torch's per-call cost on small arrays
+    first, last = int(checked[0]), int(checked[-1])
+    if first != 0:
+        raise bad(f"offsets must start at 0, got {first}")
+    if checked.shape[0] > 2 and bool((checked[1:] < checked[:-1]).any()):
         raise bad("offsets must be nondecreasing")
-    if int(offsets[-1]) != values.shape[0]:
-        raise bad(f"offsets end at {int(offsets[-1])} but the values have {values.shape[0]} rows")
+    if last != values.shape[0]:
+        raise bad(f"offsets end at {last} but the values have {values.shape[0]} rows")
     return Column(schema, values, offsets)
 
 
@@ -528,7 +537,9 @@ def _tensor_from_frame(ref: BufferRef, frames: Sequence[Any], what: str, bad: An
     if buffer.nbytes != expected or not buffer.c_contiguous:
         raise bad(f"{what} frame {ref.frame} has {buffer.nbytes} bytes, expected {expected} "
                   f"({ref.dtype}{list(ref.shape)})")  # fmt: skip
-    t = _frombuffer(buffer, dtype).reshape(ref.shape)
+    t = _frombuffer(buffer, dtype)
+    if len(ref.shape) != 1:
+        t = t.reshape(ref.shape)
     return t.clone() if t.data_ptr() % dtype.itemsize else t
 
 
