@@ -62,6 +62,10 @@ class ClientConfig:
     shared_memory_min_bytes: int = 1 << 20
     """Chunks smaller than this are put as frames even when shared memory is available: for them
     a message is as fast as mapping a segment (docs/benchmarks.md)."""
+    direct_put_bytes: int = 1 << 20
+    """Puts of fewer bytes that go as frames (see ``shared_memory_min_bytes``) go to one storage
+    unit in one exchange (units in turn; the unit has the controller commit them); other puts are
+    placed by the controller first (spread over units by load). 0: every put is placed first."""
 
 
 _C = TypeVar("_C")

@@ -1,6 +1,7 @@
 """A hypothesis state machine over the controller's pure state.
 
-Random interleavings of put (grouped or not; committed, aborted, left pending or to expire),
+Random interleavings of put (grouped or not; committed, aborted, left pending or to expire, or
+stored: placed on the unit holding its data and committed in one step),
 put_fields, get_meta for several tasks (random fields, batch sizes, whole groups, timeouts), ack
 (full, partial, repeated), release, expiry, get_by_keys, clear_samples and clear_partition are
 checked against a plain Python model of what the controller should hold. After every step:
@@ -56,7 +57,7 @@ from tqstream.errors import (
     UnknownPartitionError,
     UnknownRowError,
 )
-from tqstream.protocol.messages import GetMeta, PrepareFields, PreparePut
+from tqstream.protocol.messages import GetMeta, PlanSegment, PrepareFields, PreparePut, PutPlan
 from tqstream.types import BatchMeta, FieldSchema
 
 FIELDS = ("a", "b", "c")
@@ -339,11 +340,14 @@ class ControllerMachine(RuleBasedStateMachine):
     def commit(self, put_id: int) -> None:
         put = self.puts.pop(put_id)
         meta, effects = self.s.commit(put_id, self.now)
+        self.committed(put, meta, effects)
+
+    def committed(self, put: MPut, meta: BatchMeta | None, effects: Effects) -> None:
         assert not effects.failed and not effects.drop_partitions
         if put.cancelled:
             assert meta is None and not effects.served and not effects.drop_rows
             assert _sorted_chunks(effects.drop_chunks) == _sorted_chunks(put.chunks)
-            assert isinstance(self.s.put_error(put_id), PartitionClearedError)
+            assert isinstance(self.s.put_error(put.put_id), PartitionClearedError)
             return
         assert not effects.drop_chunks
         part = self.parts[put.part]
@@ -481,7 +485,10 @@ class ControllerMachine(RuleBasedStateMachine):
             groups = d(st.lists(st.none() | st.sampled_from(GROUPS), min_size=n, max_size=n))
             group_size = d(st.none() | st.integers(1, 4), label="group_size")
         nbytes = d(st.integers(0, 64), label="nbytes")
-        fate = fate or d(st.sampled_from(["commit"] * 4 + ["pending", "abort"]), label="fate")
+        fate = fate or d(
+            st.sampled_from(["commit"] * 4 + ["pending", "abort", "stored"]), label="fate"
+        )
+        unit = d(st.integers(0, UNITS - 1), label="unit") if fate == "stored" else None
         req = PreparePut(
             rid=0,
             partition=name,
@@ -512,11 +519,21 @@ class ControllerMachine(RuleBasedStateMachine):
                     error = GroupError
         if error is not None:
             event(f"put refused: {error.__name__}")
-            self.refused(lambda: self.s.prepare_put(req, self.now), error)
+            if unit is None:
+                self.refused(lambda: self.s.prepare_put(req, self.now), error)
+            else:
+                self.refused(lambda: self.s.put_stored(req, unit, self.now), error)
             if part is None:
                 assert name not in self.s.partitions
             return
-        plan = self.s.prepare_put(req, self.now)
+        if unit is None:
+            plan = self.s.prepare_put(req, self.now)
+        else:  # the unit holds the data: placed there and committed in one step
+            stored = self.s.put_stored(req, unit, self.now)
+            assert stored is not None
+            segment = PlanSegment(unit=unit, chunk=stored.chunk, start=0, stop=n)
+            plan = PutPlan(rid=0, put_id=-stored.chunk, row_ids=stored.meta.row_ids,
+                           segments=[segment])  # fmt: skip
         if part is None:
             part = self.parts[name] = MPart(name, next(self.incs))
         assert len(plan.row_ids) == n and not set(plan.row_ids) & set(part.rows)
@@ -555,7 +572,11 @@ class ControllerMachine(RuleBasedStateMachine):
             self.now + PUT_TIMEOUT,
             chunks,
         )
-        self.finish_put(plan.put_id, fate)
+        if unit is None:
+            self.finish_put(plan.put_id, fate)
+        else:
+            assert stored is not None and not self.s.pending.get(plan.put_id)
+            self.committed(self.puts.pop(plan.put_id), stored.meta, self.s.take_effects())
 
     @precondition(lambda self: any(p.rows for p in self.parts.values()))
     @rule(data=st.data())

@@ -11,6 +11,7 @@ import pytest
 
 from tqstream.controller.state import ControllerState, Effects
 from tqstream.errors import (
+    CapacityError,
     DuplicateKeyError,
     FieldExistsError,
     GroupError,
@@ -1000,3 +1001,53 @@ def test_rejected_rows_count_once_when_a_put_is_aborted_and_retried() -> None:
     plan = s.prepare_put(req, 0.0)
     s.commit(plan.put_id, 0.0)
     assert s.stats("p")["p"].rejected == 3 and s.stats("p")["p"].produced == 2
+
+
+# --- stored puts (the unit holds the data: PutRows) ---
+def stored_req(n: int, nbytes: int = 8, partition: str = "p", **kw: Any) -> PreparePut:
+    return PreparePut(rid=0, partition=partition, n_rows=n, schemas={"a": F32}, nbytes=nbytes, **kw)
+
+
+def test_a_stored_put_lands_on_its_unit_committed_and_leaves_no_deadline() -> None:
+    s = new_state(units=3)
+    s.create_partition("p", ["a"])
+    parked = s.get_meta(GetMeta(rid=0, partition="p", fields=["a"], batch_size=2, task="t",
+                                timeout=None), "reader", 0.0)  # fmt: skip
+    assert parked is None
+    reply = s.put_stored(stored_req(2, nbytes=16), 2, 0.0)
+    assert reply is not None and reply.meta.units == [2, 2] and reply.meta.row_ids == [0, 1]
+    assert s.unit_bytes == [0, 0, 16] and not s.pending
+    # no put_timeout to watch for a put committed in the same step (only the lease just given)
+    assert [kind for _, _, kind, _ in s._deadlines] == ["lease"]
+    ((handle, meta),) = s.take_effects().served  # the parked reader got the rows at once
+    assert handle == "reader" and meta.row_ids == [0, 1]
+
+
+def test_a_refused_stored_put_changes_nothing() -> None:
+    s = new_state()
+    s.put_stored(stored_req(1, keys=["k"]), 0, 0.0)
+    before = (dict(s.partitions["p"].rows), list(s.unit_bytes))
+    with pytest.raises(DuplicateKeyError):
+        s.put_stored(stored_req(1, keys=["k"]), 1, 0.0)
+    with pytest.raises(InvalidRequestError, match="storage unit 5 is not registered"):
+        s.put_stored(stored_req(1), 5, 0.0)
+    assert (dict(s.partitions["p"].rows), list(s.unit_bytes)) == before
+
+
+def test_a_stored_put_waits_for_room_on_its_own_unit() -> None:
+    s = ControllerState(lease_timeout=LEASE, put_timeout=PUT)
+    s.add_unit("u0", max_bytes=100)
+    s.add_unit("u1", max_bytes=100)
+    s.create_partition("p", ["a"], tasks=["t"])
+    first = s.put_stored(stored_req(1, nbytes=80), 0, 0.0)
+    assert first is not None
+    # unit 1 has room, but the data is on unit 0: the put waits for room there
+    assert s.put_stored(stored_req(1, nbytes=40, timeout=5.0), 0, 1.0, "producer") is None
+    assert s.waiting_puts["producer"][2] == 0
+    meta = s.get_meta(GetMeta(rid=0, partition="p", fields=["a"], batch_size=1, task="t"), "r", 2.0)
+    assert meta is not None
+    s.ack("p", "t", meta.lease_id, meta.row_ids)  # frees unit 0's 80 bytes
+    ((handle, reply),) = s.take_effects().replies
+    assert handle == "producer" and reply.meta.units == [0] and s.unit_bytes == [40, 0]
+    with pytest.raises(CapacityError, match="can never fit on storage unit 1, whose quota is 100"):
+        s.put_stored(stored_req(1, nbytes=150), 1, 3.0)

@@ -1,8 +1,11 @@
 """The client's protocol logic, running on the client's IO loop (see ``client.py``).
 
 One connection to the controller and one per storage unit, opened lazily and kept for the client's
-life. A put is: ``PreparePut`` at the controller (validation, keys, placement) → one ``Store`` per
-storage unit, concurrently, each carrying one contiguous chunk per field → ``CommitPut``. If
+life. A small put (under ``direct_put_bytes``) is one ``PutRows`` to the next storage unit in turn,
+which holds the columns and has the controller commit them (``storage/service.py``); a client that
+dies mid-put leaves either a committed put or nothing. A larger put is: ``PreparePut`` at the
+controller (validation, keys, placement) → one ``Store`` per storage unit, concurrently, each
+carrying one contiguous chunk per field → ``CommitPut``. If
 anything fails after the prepare — a unit error, a timeout, a cancelled caller — the client sends
 ``AbortPut`` so the controller rolls the rows back and orders the units to drop what arrived; if
 the client itself dies, the controller's ``put_timeout`` does the same.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -48,6 +52,7 @@ from tqstream.protocol.messages import (
     PrepareFields,
     PreparePut,
     PutPlan,
+    PutRows,
     Region,
     Release,
     Spare,
@@ -133,6 +138,7 @@ class ClientCore:
         """Set on a core whose loop runs only during calls: where ``release_soon`` sends leases
         to release (a loop that keeps running)."""
         self._wake: int | None = None
+        self._turn = random.randrange(1 << 16)  # the unit of the next direct put, modulo units
 
     @classmethod
     async def open(
@@ -274,6 +280,10 @@ class ClientCore:
             return BatchMeta(partition, [], [], [], [], [], [], list(columns), {},
                              rejected=req.rejected)  # fmt: skip
         wait = None if req.timeout is None else req.timeout + GET_GRACE
+        cfg = self.config
+        framed = cfg.shared_memory == "off" or req.nbytes < cfg.shared_memory_min_bytes
+        if framed and req.nbytes < cfg.direct_put_bytes and self.unit_addresses:
+            return await self._put_direct(req, columns, wait)
         plan: PutPlan = await self._ask(req, PutPlan, timeout=wait)
 
         async def store() -> BatchMeta:
@@ -290,6 +300,20 @@ class ClientCore:
             return meta
 
         return await self._committed(plan.put_id, store())
+
+    async def _put_direct(
+        self, req: PreparePut, columns: dict[str, Column], wait: float | None
+    ) -> BatchMeta:
+        """One exchange: the next storage unit in turn takes the rows and commits them."""
+        unit = self._turn % len(self.unit_addresses)
+        self._turn += 1
+        conn = await self._unit(unit)
+        refs, buffers = columns_to_wire(columns, packed=True)
+        msg = PutRows(rid=0, put=req, columns=refs)
+        wait = None if wait is None else wait + GET_GRACE  # the unit waits for the controller
+        reply: MetaReply = await self._ask(msg, MetaReply, conn=conn, buffers=buffers, timeout=wait)
+        meta = reply.meta
+        return msgspec.structs.replace(meta, rejected=req.rejected) if req.rejected else meta
 
     async def put_fields(self, meta: BatchMeta, columns: dict[str, Column]) -> None:
         plan: FieldsPlan = await self._ask(

@@ -25,13 +25,13 @@ from tqstream.errors import (
     RequestTimeoutError,
     TQStreamError,
 )
-from tqstream.protocol.messages import Acquire, PreparePut, PutPlan, Slots
+from tqstream.protocol.messages import Acquire, PreparePut, PutPlan, Slots, StoredReply
 
 
 class FlowControl:
     admissions: dict[str, tuple[Admission, str, dict[str, int]]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
-    waiting_puts: dict[Any, tuple[PreparePut, float]]
+    waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     unit_bytes: list[int]
     unit_quota: list[int]
     outbox: Effects
@@ -44,6 +44,15 @@ class FlowControl:
         def prepare_put(
             self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
         ) -> PutPlan | None: ...
+
+        def put_stored(
+            self,
+            req: PreparePut,
+            unit: int,
+            now: float,
+            handle: Any = None,
+            since: float | None = None,
+        ) -> StoredReply | None: ...
 
     def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
         free = sum(q - b for q, b in zip(self.unit_quota, self.unit_bytes, strict=True) if q)
@@ -58,17 +67,21 @@ class FlowControl:
 
     def _serve_parked_puts(self) -> None:
         """Bytes were freed: retry waiting puts in arrival order."""
-        for handle, (req, since) in list(self.waiting_puts.items()):
+        for handle, (req, since, unit) in list(self.waiting_puts.items()):
             if handle not in self.waiting_puts:
                 continue
             del self.waiting_puts[handle]
+            now = max(self.now, since)
             try:
-                plan = self.prepare_put(req, max(self.now, since), handle, since)
+                if unit is None:
+                    reply: Any = self.prepare_put(req, now, handle, since)
+                else:
+                    reply = self.put_stored(req, unit, now, handle, since)
             except TQStreamError as exc:
                 self.outbox.failed.append((handle, exc))
                 continue
-            if plan is not None:
-                self.outbox.replies.append((handle, plan))
+            if reply is not None:
+                self.outbox.replies.append((handle, reply))
 
     # --- admission ---
     def create_admission(self, name: str, style: str, config: dict[str, int]) -> None:

@@ -58,6 +58,18 @@ class Effects:
     drop_partitions: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     replies: list[tuple[Any, msgspec.Struct]] = dataclasses.field(default_factory=list)
 
+    def extend(self, other: Effects) -> None:
+        self.served += other.served
+        self.failed += other.failed
+        for unit, parts in other.drop_rows.items():
+            mine = self.drop_rows.setdefault(unit, {})
+            for partition, rows in parts.items():
+                mine.setdefault(partition, []).extend(rows)
+        for unit, chunks in other.drop_chunks.items():
+            self.drop_chunks.setdefault(unit, []).extend(chunks)
+        self.drop_partitions += other.drop_partitions
+        self.replies += other.replies
+
     def __bool__(self) -> bool:
         return bool(
             self.served

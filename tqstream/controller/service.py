@@ -47,6 +47,7 @@ from tqstream.protocol.messages import (
     Ok,
     PrepareFields,
     PreparePut,
+    PutStored,
     Registered,
     RegisterUnit,
     Release,
@@ -120,6 +121,9 @@ class ControllerService:
                     return None if meta is None else MetaReply(rid=msg.rid, meta=meta)
                 case PreparePut():
                     return s.prepare_put(msg, now, responder)
+                case PutStored():
+                    reply = s.put_stored(msg.put, msg.unit, now, responder)
+                    return None if reply is None else msgspec.structs.replace(reply, rid=msg.rid)
                 case PrepareFields():
                     return s.prepare_fields(msg, now)
                 case CommitPut():

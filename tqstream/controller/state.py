@@ -27,7 +27,7 @@ from tqstream.controller.admission import (
 )
 from tqstream.controller.flow import FlowControl
 from tqstream.controller.partition import Partition, Row
-from tqstream.controller.placement import place
+from tqstream.controller.placement import place, place_on
 from tqstream.controller.records import (
     FINISHED_LIMIT,
     Effects,
@@ -61,6 +61,7 @@ from tqstream.protocol.messages import (
     PrepareFields,
     PreparePut,
     PutPlan,
+    StoredReply,
 )
 from tqstream.types import BatchMeta, PartitionStats
 
@@ -73,7 +74,8 @@ class ControllerState(FlowControl):
         self.units: list[str] = []
         self.unit_bytes: list[int] = []
         self.unit_quota: list[int] = []  # 0: unlimited
-        self.waiting_puts: dict[Any, tuple[PreparePut, float]] = {}  # handle -> (put, since)
+        # handle -> (put, since, the unit holding a stored put's data or None)
+        self.waiting_puts: dict[Any, tuple[PreparePut, float, int | None]] = {}
         self.now = 0.0  # the latest time seen: a put woken by freed bytes is planned at it
         self.admissions: dict[str, tuple[Admission, str, dict[str, int]]] = {}
         self.waiting_acquires: dict[Any, tuple[Acquire, float]] = {}  # handle -> (req, since)
@@ -160,11 +162,17 @@ class ControllerState(FlowControl):
 
     # --- puts ---
     def prepare_put(
-        self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
+        self,
+        req: PreparePut,
+        now: float,
+        handle: Any = None,
+        since: float | None = None,
+        pinned: int | None = None,
     ) -> PutPlan | None:
         """Validate and reserve; with ``handle``, a put that does not fit the units' byte quotas
         waits (returns None; answered later through ``take_effects``) up to ``req.timeout``.
-        ``since``: when a waiting put first asked (its timeout counts from then)."""
+        ``since``: when a waiting put first asked (its timeout counts from then). ``pinned``: the
+        rows go to that unit only (its data is there already, see :meth:`put_stored`)."""
         self.now = max(self.now, now)
         if req.n_rows <= 0 or not req.schemas:
             raise InvalidRequestError(
@@ -187,11 +195,14 @@ class ControllerState(FlowControl):
                 raise InvalidRequestError(
                     f"{vname} has {len(vseq)} entries but the put has {req.n_rows} rows"
                 )
-        runs = place(self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota)
+        if pinned is None:
+            runs = place(self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota)
+        else:
+            runs = place_on(pinned, self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota)
         if runs is None:  # no room now: back-pressure, never a silent drop
             if handle is None or req.timeout == 0:
                 raise self._capacity_error(req, 0.0)
-            self.waiting_puts[handle] = (req, now if since is None else since)
+            self.waiting_puts[handle] = (req, now if since is None else since, pinned)
             if req.timeout is not None and since is None:
                 self._at(now + req.timeout, "putwait", handle)
             return None
@@ -236,8 +247,9 @@ class ControllerState(FlowControl):
                 r.unit, r.nbytes = unit, per_row
             self.unit_bytes[unit] += per_row * (stop - start)
         put = self._add_pending(
-            req.partition, rows, mask, list(req.schemas), segments, True, per_row, now
-        )
+            req.partition, rows, mask, list(req.schemas), segments, True, per_row, now,
+            timed=pinned is None,  # a stored put commits at once: no put_timeout to watch
+        )  # fmt: skip
         put.rejected = req.rejected  # an aborted put that is retried must not count them twice
         return PutPlan(
             rid=req.rid, put_id=put.put_id, row_ids=[r.id for r in rows], segments=segments
@@ -293,6 +305,7 @@ class ControllerState(FlowControl):
         new_rows: bool,
         per_row: int,
         now: float,
+        timed: bool = True,
     ) -> PendingPut:
         put = PendingPut(
             next(self._ids),
@@ -305,7 +318,8 @@ class ControllerState(FlowControl):
             per_row,
         )
         self.pending[put.put_id] = put
-        self._at(now + self.put_timeout, "put", put.put_id)
+        if timed:
+            self._at(now + self.put_timeout, "put", put.put_id)
         return put
 
     def _pending_fields(self, partition: str) -> set[str]:
@@ -344,6 +358,25 @@ class ControllerState(FlowControl):
         self._serve_parked(put.partition, effects, now)
         meta = self._meta(p, put.rows, put.fields) if put.new_rows else None
         return meta, effects
+
+    def put_stored(
+        self,
+        req: PreparePut,
+        unit: int,
+        now: float,
+        handle: Any = None,
+        since: float | None = None,
+    ) -> StoredReply | None:
+        """A put whose columns storage unit ``unit`` already holds (``PutRows``): its rows are
+        placed on that unit and committed in one step, or the put waits for room there like any
+        put (None). Refused puts change nothing; the unit then drops the columns."""
+        plan = self.prepare_put(req, now, handle, since, unit)
+        if plan is None:
+            return None
+        meta, effects = self.commit(plan.put_id, now)
+        self.outbox.extend(effects)
+        assert meta is not None  # a new put's rows, committed in the same step
+        return StoredReply(rid=req.rid, chunk=plan.segments[0].chunk, meta=meta)
 
     def put_error(self, put_id: int) -> TQStreamError:
         status = self.finished_puts.get(put_id)

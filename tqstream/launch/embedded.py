@@ -46,8 +46,9 @@ class EmbeddedCluster:
         self.controller = ControllerService(cc, self._ctx, inproc=True)
         self.units: list[StorageService] = []
         self._watch(loop.create_task(self.controller.serve(), name="tqstream-controller"))
+        link = self.controller.server.inproc_address or self.controller.address
         for i in range(n):
-            unit = StorageService(sc, self.controller.address, self._ctx, inproc=True)
+            unit = StorageService(sc, link, self._ctx, inproc=True)
             self.units.append(unit)
             self._watch(loop.create_task(unit.serve(), name=f"tqstream-storage-{i}"))
             await unit.register()

@@ -97,20 +97,25 @@ class ProcessCluster:
         return next((p for p in self.procs if p.poll() is not None), None)
 
     def close(self, grace: float = 5.0) -> None:
-        """Stop every child: SIGTERM, then SIGKILL after ``grace`` seconds. Idempotent."""
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        """Stop every child: SIGTERM, then SIGKILL after ``grace`` seconds. Idempotent.
+
+        The storage units go first: each holds a connection to the controller, and the side that
+        closes a TCP connection first keeps it in TIME_WAIT, which must not be the controller's
+        port (it could not be bound again at once without SO_REUSEADDR)."""
         deadline = time.monotonic() + grace
-        for p in self.procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            for stream in (p.stdin, p.stdout):
-                if stream is not None:
-                    stream.close()
+        for group in (self.procs[1:], self.procs[:1]):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                for stream in (p.stdin, p.stdout):
+                    if stream is not None:
+                        stream.close()
 
     def __enter__(self) -> ProcessCluster:
         return self

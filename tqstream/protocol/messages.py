@@ -19,11 +19,13 @@ PROTOCOL_VERSION = 1
 
 
 class BufferRef(msgspec.Struct, frozen=True):
-    """A tensor carried in frame ``frame`` (1-based: frame 0 is the header)."""
+    """A tensor carried in frame ``frame`` (1-based: frame 0 is the header): the whole frame, or
+    with ``offset >= 0`` its bytes from there (small messages pack their tensors in one frame)."""
 
     frame: int
     dtype: str
     shape: tuple[int, ...]
+    offset: int = -1
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -205,6 +207,23 @@ class Fetch(_Msg, frozen=True, tag="fetch"):
     shared: bool = False  # the client reads the unit's shared memory: answer with regions
 
 
+class PutRows(_Msg, frozen=True, tag="put_rows"):
+    """A small put in one exchange: the client sends rows and their metadata to a storage unit,
+    which holds the columns, has the controller prepare and commit the put at once
+    (``PutStored``) and answers with the committed rows' metadata."""
+
+    put: PreparePut
+    columns: list[ColumnRef]
+
+
+class PutStored(_Msg, frozen=True, tag="put_stored"):
+    """From a storage unit: ``put``'s columns are held by unit ``unit``; place its rows there and
+    commit them (waiting for room under the unit's quota like any put)."""
+
+    unit: int
+    put: PreparePut
+
+
 class DropRows(_Msg, frozen=True, tag="drop_rows"):
     partition: str
     row_ids: list[int]
@@ -281,6 +300,8 @@ Request = (
     | ClosePartition
     | GetStats
     | Store
+    | PutRows
+    | PutStored
     | Fetch
     | DropRows
     | DropChunks
@@ -317,6 +338,14 @@ class PutPlan(_Msg, frozen=True, tag="put_plan"):
     put_id: int
     row_ids: list[int]
     segments: list[PlanSegment]
+
+
+class StoredReply(_Msg, frozen=True, tag="stored"):
+    """The controller's answer to ``PutStored``: the committed rows, and the chunk id under which
+    the unit indexes them."""
+
+    chunk: int
+    meta: BatchMeta
 
 
 class FieldsPlan(_Msg, frozen=True, tag="fields_plan"):
@@ -363,6 +392,7 @@ Reply = (
     | Welcome
     | Registered
     | PutPlan
+    | StoredReply
     | FieldsPlan
     | MetaReply
     | KeysReply

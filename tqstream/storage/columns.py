@@ -203,6 +203,12 @@ class ColumnStore:
             out[name] = plan.gather(name, part.schemas[name])
         return out
 
+    def missing(self, partition: str, row_ids: Iterable[int]) -> list[int]:
+        """The rows of ``row_ids`` of which no field is held."""
+        part = self._partitions.get(partition)
+        held = part.rows if part is not None else {}
+        return [row for row in row_ids if row not in held]
+
     def drop_rows(self, partition: str, row_ids: Iterable[int]) -> int:
         """Drop every field of the rows; rows not held are ignored. Returns the rows dropped."""
         part = self._partitions.get(partition)

@@ -6,7 +6,18 @@ chunk's last row is dropped. A fetch of rows that sit contiguously in one chunk 
 views of that memory (sent zero-copy); scattered rows cost one gather.
 
 On start the unit registers its address with the controller, which from then on sends it drop
-orders; clients learn the address from the controller.
+orders; clients learn the address from the controller. The unit keeps that connection (its *link*)
+for small puts made in one exchange (``PutRows``): it decodes and holds the columns, asks the
+controller to place and commit the rows on it (``PutStored``), indexes them under the row ids of the
+reply and answers the client with the committed metadata.
+
+A stored put's rows are visible to readers from the moment the controller commits them, and the
+controller's reply reaches the unit over the link, not over the socket the readers' fetches and the
+controller's drop orders come in on: a fetch or a drop of those rows can be handled first. Every put
+in flight is a *landing*, registered before its ``PutStored`` is sent, hence before any message
+about its rows can exist. A fetch of rows the unit does not hold waits for the landings of its
+partition that were in flight when it arrived, then is served (or fails) as usual; drops of rows
+not held, and partition clears, are noted on those landings and applied when each one lands.
 
 Clients on the same host move tensor bytes through shared memory instead (``protocol/shm.py``): a
 ``Store`` names the segment the client wrote, which becomes the chunk's memory, and a ``Fetch``
@@ -18,14 +29,22 @@ maps it) or unlinked; every name the unit owns is unlinked at close.
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
+import msgspec
 import zmq
 
 from tqstream.config import ClientConfig, StorageConfig
-from tqstream.errors import InvalidRequestError
+from tqstream.errors import (
+    InternalError,
+    InvalidRequestError,
+    MalformedMessageError,
+    UnknownRowError,
+)
 from tqstream.protocol import shm
-from tqstream.protocol.codec import column_from_wire, columns_to_wire
+from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.messages import (
     Columns,
     DropChunks,
@@ -33,20 +52,42 @@ from tqstream.protocol.messages import (
     DropRows,
     Fetch,
     GetUnitStats,
+    MetaReply,
     Ok,
+    PutRows,
+    PutStored,
     Region,
     RegisterUnit,
     Store,
+    StoredReply,
     UnitStatsReply,
 )
 from tqstream.protocol.transport import Connection, Responder, Server, shared_context
 from tqstream.storage.columns import ColumnStore
-from tqstream.types import UnitStats
+from tqstream.types import FieldSchema, UnitStats
 
 __all__ = ["StorageService"]
 
 GATHER_UNLINK_DELAY = 60.0
 """Seconds after which a gather segment is unlinked even if its client never mapped it."""
+
+LANDING_WAIT = 10.0
+"""Longest wait of a fetch of rows the unit does not hold for the puts landing in its partition."""
+
+PUT_GRACE = 10.0
+"""Extra seconds the unit waits for the controller's answer to a put beyond the put's timeout."""
+
+
+class _Landing:
+    """A stored put whose commit is in flight (see the module docstring)."""
+
+    __slots__ = ("cleared_before", "done", "drops", "partition")
+
+    def __init__(self, partition: str, done: asyncio.Future[None]) -> None:
+        self.partition = partition
+        self.done = done
+        self.drops: set[int] = set()  # row ids whose drop order came before the rows
+        self.cleared_before = -1  # the partition was cleared up to this chunk id (0: all)
 
 
 class StorageService:
@@ -74,6 +115,9 @@ class StorageService:
             inproc=inproc,
         )
         self.unit: int | None = None
+        self._link: Connection | None = None  # to the controller, for stored puts
+        self._landings: dict[int, _Landing] = {}
+        self._landing_ids = itertools.count()
 
     @property
     def address(self) -> str:
@@ -98,8 +142,12 @@ class StorageService:
                 inproc=self.server.inproc_address,
             )
             reply, _ = await conn.request(msg, timeout=30.0)
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        if self._link is not None:
+            self._link.close()
+        self._link = conn
         self.unit = reply.unit
         return reply.unit
 
@@ -108,6 +156,8 @@ class StorageService:
 
     async def close(self) -> None:
         await self.server.close()
+        if self._link is not None:
+            self._link.close()
         if self.segments is not None:
             self.segments.close()
 
@@ -141,6 +191,73 @@ class StorageService:
             raise
         return Ok(rid=msg.rid, count=len(msg.row_ids), spare=self.segments.spares())
 
+    # --- stored puts ---
+    def _put(self, msg: PutRows, frames: list[Any]) -> Awaitable[MetaReply]:
+        put = msg.put
+        columns = {ref.name: column_from_wire(ref, frames, put.n_rows) for ref in msg.columns}
+        schemas = {name: col.schema for name, col in columns.items()}
+        if schemas != put.schemas:
+            raise MalformedMessageError(
+                f"the put's schemas {_describe(put.schemas)} do not match its columns "
+                f"{_describe(schemas)}",
+                partition=put.partition,
+            )
+        if self._link is None or self.unit is None:
+            raise InvalidRequestError(
+                "this storage unit is not registered with a controller, so it cannot take puts "
+                "directly; start it with a controller address"
+            )
+        nbytes = sum(col.nbytes for col in columns.values())
+        put = msgspec.structs.replace(put, rid=0, nbytes=nbytes)
+        landing = _Landing(put.partition, asyncio.get_running_loop().create_future())
+        key = next(self._landing_ids)
+        self._landings[key] = landing
+        return self._land(msg.rid, key, landing, PutStored(rid=0, unit=self.unit, put=put), columns)
+
+    async def _land(
+        self, rid: int, key: int, landing: _Landing, req: PutStored, columns: dict[str, Column]
+    ) -> MetaReply:
+        assert self._link is not None
+        wait = None if req.put.timeout is None else req.put.timeout + PUT_GRACE
+        try:
+            reply, _ = await self._link.request(req, timeout=wait)
+            if not isinstance(reply, StoredReply):
+                raise InternalError(f"expected StoredReply from the controller, got {reply!r}")
+            rows = reply.meta.row_ids
+            before = landing.cleared_before
+            if before < 0 or (before and reply.chunk >= before):  # not cleared since the commit
+                self.store.add_chunk(req.put.partition, reply.chunk, rows, columns)
+                if landing.drops:
+                    self.store.drop_rows(req.put.partition, landing.drops.intersection(rows))
+            return MetaReply(rid=rid, meta=reply.meta)
+        finally:
+            del self._landings[key]
+            landing.done.set_result(None)
+            self._release_dropped()
+
+    def _in_flight(self, partition: str) -> list[_Landing]:
+        return [x for x in self._landings.values() if x.partition == partition]
+
+    async def _fetch_landed(self, msg: Fetch, landings: list[_Landing]) -> Any:
+        """Serve once the rows landed, or fail as usual once the landings that could hold them
+        are over. A put waiting for room under a quota is one of them, though its rows cannot be
+        in anyone's metadata yet: the wait is bounded, so that a fetch of rows that are gone
+        does not hang on it."""
+        waiting = {x.done for x in landings}
+        deadline = asyncio.get_running_loop().time() + LANDING_WAIT
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left > 0:
+                _, pending = await asyncio.wait(
+                    waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                waiting = set(pending)
+            try:
+                return self._fetch(msg)
+            except UnknownRowError:
+                if not waiting or left <= 0:
+                    raise
+
     def _fetch(self, msg: Fetch) -> tuple[Columns, list[Any]]:
         columns = self.store.fetch(msg.partition, msg.row_ids, msg.fields)
         refs, buffers = columns_to_wire(columns)
@@ -172,22 +289,43 @@ class StorageService:
         try:
             return self._handle(msg, frames)
         finally:  # before the answer: a dropped chunk's segment is gone once the drop is answered
-            while self._dropped and self.segments is not None:
-                self.segments.release(self._dropped.pop())
+            self._release_dropped()
+
+    def _release_dropped(self) -> None:
+        while self._dropped and self.segments is not None:
+            self.segments.release(self._dropped.pop())
 
     def _handle(self, msg: Any, frames: list[Any]) -> Any:
         s = self.store
         match msg:
             case Store():
                 return self._store(msg, frames)
+            case PutRows():
+                return self._put(msg, frames)
             case Fetch():
-                return self._fetch(msg)
+                try:
+                    return self._fetch(msg)
+                except UnknownRowError:
+                    landings = self._in_flight(msg.partition)
+                    if not landings:
+                        raise
+                    return self._fetch_landed(msg, landings)
             case DropRows():
+                landings = self._in_flight(msg.partition)
+                if landings:
+                    early = s.missing(msg.partition, msg.row_ids)
+                    for x in landings:
+                        x.drops.update(early)
                 return Ok(rid=msg.rid, count=s.drop_rows(msg.partition, msg.row_ids))
             case DropChunks():
                 s.drop_chunks(msg.chunks)
                 return Ok(rid=msg.rid)
             case DropPartition():
+                for x in self._in_flight(msg.partition):
+                    x.cleared_before = (
+                        0 if msg.before_chunk == 0 or x.cleared_before == 0
+                        else max(x.cleared_before, msg.before_chunk)
+                    )  # fmt: skip
                 s.drop_partition(msg.partition, msg.before_chunk)
                 return Ok(rid=msg.rid)
             case GetUnitStats():
@@ -204,3 +342,7 @@ class StorageService:
                 raise InvalidRequestError(
                     f"{type(msg).__name__} is not a storage request; it goes to the controller"
                 )
+
+
+def _describe(schemas: Mapping[str, FieldSchema]) -> str:
+    return "{" + ", ".join(f"{k}: {v.describe()}" for k, v in sorted(schemas.items())) + "}"
