@@ -38,8 +38,9 @@ from tqstream.protocol.messages import (
     Registered,
     RegisterUnit,
     StoredReply,
+    StoredResults,
 )
-from tqstream.protocol.transport import Connection, Responder, Server, context
+from tqstream.protocol.transport import Connection, Responder, Server, context, error_reply
 from tqstream.storage.service import StorageService
 from tqstream.types import BatchMeta
 
@@ -167,6 +168,13 @@ def put_rows(partition: str, i: int) -> tuple[PutRows, list[Any]]:
     return PutRows(rid=0, put=put, columns=refs), frames
 
 
+def answer(chunk: int, partition: str, rows: list[int]) -> StoredResults:
+    """The controller's answer to a PutStored of one put: committed as ``rows`` in ``chunk``."""
+    return StoredResults(
+        rid=0, results=[StoredReply(rid=0, chunk=chunk, meta=committed(partition, rows))]
+    )
+
+
 def committed(partition: str, rows: list[int]) -> BatchMeta:
     n = len(rows)
     return BatchMeta(partition, rows, [f"k{r}" for r in rows], [0] * n, [None] * n,
@@ -179,12 +187,12 @@ def test_a_fetch_that_overtakes_the_landing_waits_for_it() -> None:
             msg, frames = put_rows("p", 7)
             putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
             stored, responder = await asyncio.wait_for(ctrl.held.get(), 10)
-            assert stored.unit == 0 and stored.put.nbytes == 8  # the unit counts the bytes
+            assert stored.unit == 0 and stored.puts[0].nbytes == 8  # the unit counts the bytes
             fetch = Fetch(rid=0, partition="p", row_ids=[40], fields=["x"])
             fetching = asyncio.ensure_future(conn.request(fetch, timeout=10))
             await asyncio.sleep(0.2)
             assert not fetching.done()  # row 40 is not held yet, but a put is landing
-            responder.reply(StoredReply(rid=responder.rid, chunk=9, meta=committed("p", [40])))
+            responder.reply(answer(9, "p", [40]))
             reply, _ = await putting
             assert isinstance(reply, MetaReply) and reply.meta.row_ids == [40]
             got, got_frames = await fetching
@@ -212,8 +220,7 @@ def test_a_drop_that_overtakes_the_landing_is_applied_when_it_lands() -> None:
                 else:  # a clear of the partition's chunks before 5 comes first
                     clear = DropPartition(rid=0, partition="p", before_chunk=5)
                     assert isinstance((await conn.request(clear, timeout=10))[0], Ok)
-                responder.reply(StoredReply(rid=responder.rid, chunk=chunk,
-                                            meta=committed("p", rows)))  # fmt: skip
+                responder.reply(answer(chunk, "p", rows))
                 await putting
                 with pytest.raises(tqstream.UnknownRowError):
                     await conn.request(Fetch(rid=0, partition="p", row_ids=rows, fields=["x"]),
@@ -222,7 +229,7 @@ def test_a_drop_that_overtakes_the_landing_is_applied_when_it_lands() -> None:
             msg, frames = put_rows("p", 2)
             putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
             _, responder = await asyncio.wait_for(ctrl.held.get(), 10)
-            responder.reply(StoredReply(rid=responder.rid, chunk=6, meta=committed("p", [52])))
+            responder.reply(answer(6, "p", [52]))
             await putting
             got, _ = await conn.request(Fetch(rid=0, partition="p", row_ids=[52], fields=["x"]),
                                         timeout=10)  # fmt: skip
@@ -237,8 +244,15 @@ def test_a_put_the_controller_refuses_is_not_kept() -> None:
             msg, frames = put_rows("p", 1)
             putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
             _, responder = await asyncio.wait_for(ctrl.held.get(), 10)
-            responder.fail(tqstream.DuplicateKeyError("key 'a' exists", keys=["a"]))
+            refused = tqstream.DuplicateKeyError("key 'a' exists", keys=["a"])
+            responder.reply(StoredResults(rid=0, results=[error_reply(refused, "")]))
             with pytest.raises(tqstream.DuplicateKeyError, match="key 'a' exists"):
+                await putting
+            # the whole message failing fails its puts alike
+            putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
+            _, responder = await asyncio.wait_for(ctrl.held.get(), 10)
+            responder.fail(tqstream.CapacityError("no room", nbytes=8))
+            with pytest.raises(tqstream.CapacityError, match="no room"):
                 await putting
             stats, _ = await conn.request(GetUnitStats(rid=0), timeout=10)
             assert stats.stats.bytes == 0 and stats.stats.chunks == 0
@@ -301,7 +315,7 @@ def test_a_fetch_of_gone_rows_is_not_held_up_by_a_put_waiting_for_room(
                 await conn.request(Fetch(rid=0, partition="p", row_ids=[77], fields=["x"]),
                                    timeout=10)  # fmt: skip
             assert 0.25 < asyncio.get_running_loop().time() - t0 < 5
-            responder.reply(StoredReply(rid=responder.rid, chunk=1, meta=committed("p", [1])))
+            responder.reply(answer(1, "p", [1]))
             await putting
 
     asyncio.run(main())

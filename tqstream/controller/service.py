@@ -37,6 +37,7 @@ from tqstream.protocol.messages import (
     DropChunks,
     DropPartition,
     DropRows,
+    ErrorReply,
     GetByKeys,
     GetMeta,
     GetStats,
@@ -54,12 +55,55 @@ from tqstream.protocol.messages import (
     ReleaseSlots,
     Slots,
     StatsReply,
+    StoredReply,
+    StoredResults,
     UnitStatsReply,
 )
-from tqstream.protocol.transport import Connection, Responder, Server, shared_context
+from tqstream.protocol.transport import (
+    Connection,
+    Responder,
+    Server,
+    error_reply,
+    shared_context,
+)
 from tqstream.types import Stats, UnitStats
 
 __all__ = ["ControllerService"]
+
+
+class _StoredResults:
+    """The answer to a unit's ``PutStored``: one result per put, sent once all are in (a put that
+    waits for room is answered later through the effects, like a waiting ``PreparePut``)."""
+
+    def __init__(self, responder: Responder, n: int) -> None:
+        self.responder = responder
+        self.results: list[StoredReply | ErrorReply | None] = [None] * n
+        self.left = n
+
+    def part(self, i: int) -> _StoredPart:
+        return _StoredPart(self, i)
+
+    def done(self, i: int, result: StoredReply | ErrorReply) -> None:
+        self.results[i] = result
+        self.left -= 1
+        if not self.left:
+            results = [r for r in self.results if r is not None]
+            self.responder.reply(StoredResults(rid=self.responder.rid, results=results))
+
+
+class _StoredPart:
+    """One put of a ``PutStored``: answered like a request (``reply``/``fail``, see Responder)."""
+
+    __slots__ = ("i", "owner", "rid")
+
+    def __init__(self, owner: _StoredResults, i: int) -> None:
+        self.owner, self.i, self.rid = owner, i, 0
+
+    def reply(self, msg: Any) -> None:
+        self.owner.done(self.i, msg)
+
+    def fail(self, exc: BaseException) -> None:
+        self.owner.done(self.i, error_reply(exc, "the controller failed on a stored put"))
 
 
 class ControllerService:
@@ -122,8 +166,17 @@ class ControllerService:
                 case PreparePut():
                     return s.prepare_put(msg, now, responder)
                 case PutStored():
-                    reply = s.put_stored(msg.put, msg.unit, now, responder)
-                    return None if reply is None else msgspec.structs.replace(reply, rid=msg.rid)
+                    results = _StoredResults(responder, len(msg.puts))
+                    for i, put in enumerate(msg.puts):
+                        one = results.part(i)
+                        try:
+                            stored = s.put_stored(put, msg.unit, now, one)
+                        except TQStreamError as exc:
+                            one.fail(exc)
+                            continue
+                        if stored is not None:  # else it waits for room: answered later
+                            one.reply(stored)
+                    return None  # answered by ``results`` once every put is
                 case PrepareFields():
                     return s.prepare_fields(msg, now)
                 case CommitPut():

@@ -445,13 +445,22 @@ def _jagged(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 # --- wire ----------------------------------------------------------------------------------------
 _ALIGN = 16  # packed tensors start at multiples of this (the largest itemsize)
+_NUMPY_VIEWABLE = {
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+}  # fmt: skip
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a column's tensor for ``send(copy=False)``; the view keeps ``t`` alive.
     Column tensors are detached, on the CPU, contiguous and resolved (every builder here makes
     them so), so this is a reinterpretation, never a copy."""
-    return t.reshape(-1).view(torch.uint8).numpy().data  # a memoryview holding the array
+    if t.dtype in _NUMPY_VIEWABLE and t.numel():
+        view = t.numpy().data  # a memoryview holding the array
+        if view.c_contiguous:
+            return view.cast("B")
+    # bfloat16 & co (numpy has no such type), empty tensors, odd strides of size-1 dimensions
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def column_to_wire(name: str, col: Column, first_frame: int) -> tuple[ColumnRef, list[memoryview]]:
@@ -473,30 +482,37 @@ def columns_to_wire(
 
     ``packed``: every tensor is copied into one frame (at 16-byte aligned offsets), which costs
     less than a send and a receive per tensor for a small message (one trajectory's put)."""
+    if packed:
+        return _packed_to_wire(columns)
     refs: list[ColumnRef] = []
     buffers: list[memoryview] = []
     for name, col in columns.items():
         ref, bufs = column_to_wire(name, col, 1 + len(buffers))
         refs.append(ref)
         buffers.extend(bufs)
-    if not packed or len(buffers) < 2:
-        return refs, buffers
-    starts, end = [], 0
-    for b in buffers:
-        starts.append(end)
+    return refs, buffers
+
+
+def _packed_to_wire(columns: Mapping[str, Column]) -> tuple[list[ColumnRef], list[Any]]:
+    buffers: list[memoryview] = []
+    end = 0
+
+    def place(t: torch.Tensor, dtype: str) -> BufferRef:
+        nonlocal end
+        b = _as_bytes(t)
+        buffers.append(b)
+        ref = BufferRef(1, dtype, tuple(t.shape), end)
         end += -(-b.nbytes // _ALIGN) * _ALIGN
+        return ref
+
+    refs = []
+    for name, col in columns.items():
+        values = place(col.values, dtype_name(col.values.dtype))
+        offsets = None if col.offsets is None else place(col.offsets, "int64")
+        refs.append(ColumnRef(name, col.schema, values, offsets))
     frame = bytearray(end)
-    for b, start in zip(buffers, starts, strict=True):
-        frame[start : start + b.nbytes] = b
-
-    def moved(r: BufferRef | None) -> BufferRef | None:
-        return (
-            None if r is None else msgspec.structs.replace(r, frame=1, offset=starts[r.frame - 1])
-        )
-
-    refs = [
-        msgspec.structs.replace(r, values=moved(r.values), offsets=moved(r.offsets)) for r in refs
-    ]
+    for b, ref in zip(buffers, (r for c in refs for r in (c.values, c.offsets) if r), strict=True):
+        frame[ref.offset : ref.offset + b.nbytes] = b
     return refs, [frame]
 
 

@@ -217,11 +217,12 @@ class PutRows(_Msg, frozen=True, tag="put_rows"):
 
 
 class PutStored(_Msg, frozen=True, tag="put_stored"):
-    """From a storage unit: ``put``'s columns are held by unit ``unit``; place its rows there and
-    commit them (waiting for room under the unit's quota like any put)."""
+    """From a storage unit: the columns of ``puts`` are held by unit ``unit``; place each put's
+    rows there and commit them (each waiting for room under the unit's quota like any put). A unit
+    sends the puts that reached it together in one message."""
 
     unit: int
-    put: PreparePut
+    puts: list[PreparePut]
 
 
 class DropRows(_Msg, frozen=True, tag="drop_rows"):
@@ -322,14 +323,6 @@ class Ok(_Msg, frozen=True, tag="ok"):
     spare: list[Spare] = []  # a storage unit's answer to a shared Store: segments to reuse
 
 
-class ErrorReply(_Msg, frozen=True, tag="error"):
-    """A failure; the client raises ``tqstream.errors.error_class(code)(message, **details)``."""
-
-    code: str
-    message: str
-    details: dict[str, Any] = {}
-
-
 class Registered(_Msg, frozen=True, tag="registered"):
     unit: int
 
@@ -341,11 +334,25 @@ class PutPlan(_Msg, frozen=True, tag="put_plan"):
 
 
 class StoredReply(_Msg, frozen=True, tag="stored"):
-    """The controller's answer to ``PutStored``: the committed rows, and the chunk id under which
-    the unit indexes them."""
+    """One put of a ``PutStored``, committed: its rows, and the chunk id under which the unit
+    indexes them."""
 
     chunk: int
     meta: BatchMeta
+
+
+class ErrorReply(_Msg, frozen=True, tag="error"):
+    """A failure; the client raises ``tqstream.errors.error_class(code)(message, **details)``."""
+
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+
+
+class StoredResults(_Msg, frozen=True, tag="stored_results"):
+    """The controller's answer to ``PutStored``: one result per put, in order."""
+
+    results: list[StoredReply | ErrorReply]
 
 
 class FieldsPlan(_Msg, frozen=True, tag="fields_plan"):
@@ -393,6 +400,7 @@ Reply = (
     | Registered
     | PutPlan
     | StoredReply
+    | StoredResults
     | FieldsPlan
     | MetaReply
     | KeysReply

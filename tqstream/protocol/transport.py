@@ -61,7 +61,15 @@ from tqstream.protocol.messages import (
     encode,
 )
 
-__all__ = ["Connection", "Handler", "HandlerResult", "Responder", "Server"]
+__all__ = [
+    "Connection",
+    "Handler",
+    "HandlerResult",
+    "Responder",
+    "Server",
+    "error_from_reply",
+    "error_reply",
+]
 
 MiB = 1 << 20
 HandlerResult = Any | tuple[Any, Sequence[Any]] | Awaitable[Any] | None
@@ -195,16 +203,28 @@ class Responder:
         self.answered = True
 
     def fail(self, exc: BaseException) -> None:
-        """Answer with ``exc`` as an ``ErrorReply``: a TQStreamError travels as its own class,
-        anything else as ``InternalError`` naming the exception."""
-        if isinstance(exc, TQStreamError):
-            code, text, details = exc.code, exc.message, _plain(exc.details)
-        else:
-            kind = type(exc).__name__
-            code, details = InternalError.code, {"exception": kind}
-            text = f"the {self._server.name} server failed on {self.op} (request {self.rid}): "
-            text += f"{kind}: {exc}"
-        self.reply(ErrorReply(rid=self.rid, code=code, message=text, details=details))
+        """Answer with ``exc`` as an ``ErrorReply`` (see :func:`error_reply`)."""
+        where = f"the {self._server.name} server failed on {self.op} (request {self.rid})"
+        self.reply(error_reply(exc, where, self.rid))
+
+
+def error_reply(exc: BaseException, where: str, rid: int = 0) -> ErrorReply:
+    """``exc`` for the wire: a TQStreamError travels as its own class, anything else as
+    ``InternalError`` naming the exception and ``where`` it happened."""
+    if isinstance(exc, TQStreamError):
+        return ErrorReply(rid=rid, code=exc.code, message=exc.message, details=_plain(exc.details))
+    kind = type(exc).__name__
+    text = f"{where}: {kind}: {exc}"
+    return ErrorReply(rid=rid, code=InternalError.code, message=text, details={"exception": kind})
+
+
+def error_from_reply(reply: ErrorReply) -> TQStreamError:
+    """The exception an ``ErrorReply`` stands for, of the class the server raised."""
+    cls = error_class(reply.code)
+    try:
+        return cls(reply.message, **reply.details)
+    except TypeError:  # details that clash with the constructor's own parameters
+        return cls(reply.message)
 
 
 class Server:
@@ -593,12 +613,7 @@ class Connection:
             if grace is not None:
                 grace.cancel()
         if isinstance(reply, ErrorReply):
-            cls = error_class(reply.code)
-            try:
-                exc = cls(reply.message, **reply.details)
-            except TypeError:  # details that clash with the constructor's own parameters
-                exc = cls(reply.message)
-            raise exc
+            raise error_from_reply(reply)
         return reply, frames
 
     def _send(self, frames: list[Any]) -> None:

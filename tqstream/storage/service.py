@@ -38,6 +38,7 @@ import zmq
 
 from tqstream.config import ClientConfig, StorageConfig
 from tqstream.errors import (
+    ClosedError,
     InternalError,
     InvalidRequestError,
     MalformedMessageError,
@@ -50,19 +51,28 @@ from tqstream.protocol.messages import (
     DropChunks,
     DropPartition,
     DropRows,
+    ErrorReply,
     Fetch,
     GetUnitStats,
     MetaReply,
     Ok,
+    PreparePut,
     PutRows,
     PutStored,
     Region,
     RegisterUnit,
     Store,
     StoredReply,
+    StoredResults,
     UnitStatsReply,
 )
-from tqstream.protocol.transport import Connection, Responder, Server, shared_context
+from tqstream.protocol.transport import (
+    Connection,
+    Responder,
+    Server,
+    error_from_reply,
+    shared_context,
+)
 from tqstream.storage.columns import ColumnStore
 from tqstream.types import FieldSchema, UnitStats
 
@@ -81,11 +91,15 @@ PUT_GRACE = 10.0
 class _Landing:
     """A stored put whose commit is in flight (see the module docstring)."""
 
-    __slots__ = ("cleared_before", "done", "drops", "partition")
+    __slots__ = ("answer", "cleared_before", "done", "drops", "partition", "put")
 
-    def __init__(self, partition: str, done: asyncio.Future[None]) -> None:
-        self.partition = partition
-        self.done = done
+    def __init__(
+        self, put: PreparePut, answer: asyncio.Future[StoredReply], done: asyncio.Future[None]
+    ) -> None:
+        self.put = put
+        self.partition = put.partition
+        self.answer = answer  # the controller's answer
+        self.done = done  # set once the put is over (indexed, refused or failed)
         self.drops: set[int] = set()  # row ids whose drop order came before the rows
         self.cleared_before = -1  # the partition was cleared up to this chunk id (0: all)
 
@@ -118,6 +132,9 @@ class StorageService:
         self._link: Connection | None = None  # to the controller, for stored puts
         self._landings: dict[int, _Landing] = {}
         self._landing_ids = itertools.count()
+        self._outgoing: list[_Landing] = []  # stored puts not sent to the controller yet
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     @property
     def address(self) -> str:
@@ -155,7 +172,10 @@ class StorageService:
         await self.server.serve()
 
     async def close(self) -> None:
+        self._closed = True
         await self.server.close()
+        for task in list(self._tasks):
+            task.cancel()
         if self._link is not None:
             self._link.close()
         if self.segments is not None:
@@ -209,26 +229,63 @@ class StorageService:
             )
         nbytes = sum(col.nbytes for col in columns.values())
         put = msgspec.structs.replace(put, rid=0, nbytes=nbytes)
-        landing = _Landing(put.partition, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        landing = _Landing(put, loop.create_future(), loop.create_future())
         key = next(self._landing_ids)
         self._landings[key] = landing
-        return self._land(msg.rid, key, landing, PutStored(rid=0, unit=self.unit, put=put), columns)
+        if not self._outgoing:  # after this drain of the socket: one PutStored for its puts
+            loop.call_soon(self._send_stored)
+        self._outgoing.append(landing)
+        return self._land(msg.rid, key, landing, columns)
 
-    async def _land(
-        self, rid: int, key: int, landing: _Landing, req: PutStored, columns: dict[str, Column]
-    ) -> MetaReply:
-        assert self._link is not None
-        wait = None if req.put.timeout is None else req.put.timeout + PUT_GRACE
+    def _send_stored(self) -> None:
+        landings, self._outgoing = self._outgoing, []
+        if self._closed:
+            for x in landings:
+                x.answer.set_exception(ClosedError("the storage unit closed during the put"))
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._commit(landings), name="tqstream-storage-put-stored"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _commit(self, landings: list[_Landing]) -> None:
+        """Have the controller commit the puts; each landing gets its own answer."""
+        assert self._link is not None and self.unit is not None
+        timeouts = [x.put.timeout for x in landings]
+        wait = None if None in timeouts else max(t or 0.0 for t in timeouts) + PUT_GRACE
+        req = PutStored(rid=0, unit=self.unit, puts=[x.put for x in landings])
         try:
             reply, _ = await self._link.request(req, timeout=wait)
-            if not isinstance(reply, StoredReply):
-                raise InternalError(f"expected StoredReply from the controller, got {reply!r}")
+            if not isinstance(reply, StoredResults) or len(reply.results) != len(landings):
+                raise InternalError(f"expected {len(landings)} StoredResults, got {reply!r}")
+        except asyncio.CancelledError:  # the unit is closing
+            for x in landings:
+                x.answer.cancel()
+            raise
+        except Exception as exc:  # the link failed: every put fails with it
+            for x in landings:
+                x.answer.set_exception(exc)
+            return
+        for x, result in zip(landings, reply.results, strict=True):
+            if isinstance(result, ErrorReply):
+                x.answer.set_exception(error_from_reply(result))
+            else:
+                x.answer.set_result(result)
+
+    async def _land(
+        self, rid: int, key: int, landing: _Landing, columns: dict[str, Column]
+    ) -> MetaReply:
+        partition = landing.put.partition
+        try:
+            reply = await landing.answer
             rows = reply.meta.row_ids
             before = landing.cleared_before
             if before < 0 or (before and reply.chunk >= before):  # not cleared since the commit
-                self.store.add_chunk(req.put.partition, reply.chunk, rows, columns)
+                self.store.add_chunk(partition, reply.chunk, rows, columns)
                 if landing.drops:
-                    self.store.drop_rows(req.put.partition, landing.drops.intersection(rows))
+                    self.store.drop_rows(partition, landing.drops.intersection(rows))
             return MetaReply(rid=rid, meta=reply.meta)
         finally:
             del self._landings[key]
