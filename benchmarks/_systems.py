@@ -309,10 +309,11 @@ class ZmqPattern(RawZmq):
 
     note = (
         "raw pyzmq over TCP in tqstream's multi-process message pattern, with nothing behind "
-        "the messages: a metadata process that echoes 256-byte requests (prepare, commit, "
-        "get meta, ack) and a store process as in zmq-tcp (store, fetch; the drop is sent "
-        "without waiting, as the controller orders it after the ack). The floor of tqstream's "
-        "multi-process deployment: what is left is tqstream's own work"
+        "the messages: a metadata process that echoes 256-byte requests (the put's commit, "
+        "which tqstream's storage unit sends on the put's way, here sent by the client after "
+        "the store; get meta; ack) and a store process as in zmq-tcp (store, fetch; the drop "
+        "is sent without waiting, as the controller orders it after the ack). The floor of "
+        "tqstream's multi-process deployment: what is left is tqstream's own work"
     )
 
     def __init__(self) -> None:
@@ -324,7 +325,6 @@ class ZmqPattern(RawZmq):
         self.meta = self._store("meta")
 
     def put(self, data: Any) -> Any:
-        self.meta.ask(b"echo", META)
         key = super().put(data)
         self.meta.ask(b"echo", META)
         return key
