@@ -44,6 +44,9 @@ __all__ = [
     "UnknownLeaseError",
     "UnknownPartitionError",
     "UnknownRowError",
+    "WeightMismatchError",
+    "WeightSyncError",
+    "WeightSyncTimeoutError",
     "error_class",
 ]
 
@@ -258,3 +261,21 @@ class InternalError(TQStreamError, RuntimeError):
     """An unexpected failure inside a server; the message carries the original exception."""
 
     code = "internal"
+
+
+class WeightSyncError(TQStreamError, RuntimeError):
+    """Base of weight-synchronization errors (trainer -> rollout workers)."""
+
+    code = "weight_sync"
+
+
+class WeightMismatchError(WeightSyncError, ValueError):
+    """The weights a receiver expects differ from those sent (names, dtypes, shapes)."""
+
+    code = "weight_mismatch"
+
+
+class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
+    """A peer of a weight sync did not take part within the timeout."""
+
+    code = "weight_sync_timeout"

@@ -80,3 +80,9 @@ def test_public_names_resolve() -> None:
     assert tqstream.__all__ == sorted(tqstream.__all__)
     for name in tqstream.__all__:
         assert getattr(tqstream, name) is not None
+
+
+def test_the_reference_pipeline_is_at_the_edge() -> None:
+    for name, imports in MODULES.items():
+        if not name.startswith(("tqstream.reference", "tqstream.adapters")):
+            assert not any(i.startswith("tqstream.reference") for i in imports), name

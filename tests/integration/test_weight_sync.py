@@ -1,0 +1,140 @@
+"""Weight sync between real processes over gloo: a sender (this process, rank 0) and receiver
+processes; bit-identical weights, metadata sent once, mismatches and dead or idle receivers as typed
+errors, never a hang; the safetensors path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tqstream.errors import WeightMismatchError, WeightSyncError, WeightSyncTimeoutError
+from tqstream.reference.weightsync import (
+    TorchCollective,
+    WeightMeta,
+    WeightSender,
+    load_weights,
+    save_weights,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from weight_worker import weights
+
+WORKER = Path(__file__).with_name("weight_worker.py")
+
+
+def spawn(port: int, rank: int, world: int, syncs: int, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(port), str(rank), str(world), str(syncs), *flags],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def lines(proc: subprocess.Popen[str]) -> list[dict]:
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_receivers_get_bit_identical_weights_and_the_metadata_once() -> None:
+    group = TorchCollective(0, 3, timeout=30.0)
+    workers = [spawn(group.port, r, 3, 3) for r in (1, 2)]
+    sender = WeightSender(group, bucket_bytes=1024)  # ~20 buckets a sync
+    stats = [sender.send(weights(v), version=v) for v in (1, 2, 3)]
+    assert [s.header_bytes > 0 for s in stats] == [True, False, False]
+    assert stats[0].nbytes == WeightMeta.of(weights(1)).total and stats[0].buckets >= 10
+    for w in workers:
+        assert lines(w) == [{"version": v, "ok": True} for v in (1, 2, 3)]
+
+
+def test_a_receiver_expecting_other_weights_fails_and_the_rest_go_on() -> None:
+    group = TorchCollective(0, 3, timeout=30.0)
+    good = spawn(group.port, 1, 3, 2)
+    other = spawn(group.port, 2, 3, 2, "--expect-other")
+    sender = WeightSender(group, bucket_bytes=1 << 12)
+    for v in (1, 2):
+        sender.send(weights(v), version=v)  # completes: the mismatched receiver still took part
+    assert lines(good) == [{"version": 1, "ok": True}, {"version": 2, "ok": True}]
+    message = (
+        "rank 2: the weights of version {v} differ from this model's (expected vs sent: "
+        "layers.0.mlp.bias: float32[47] vs float32[48]); nothing was loaded — the trainer and the "
+        "rollout engine must hold the same architecture"
+    )
+    assert lines(other) == [
+        {"error": "WeightMismatchError", "message": message.format(v=v)} for v in (1, 2)
+    ]
+
+
+def test_an_idle_receiver_times_the_sync_out() -> None:
+    group = TorchCollective(0, 2, timeout=2.0)
+    idle = spawn(group.port, 1, 2, 1, "--idle")
+    try:
+        group.join()
+        assert idle.stdout is not None and json.loads(idle.stdout.readline()) == {"joined": True}
+        t0 = time.monotonic()
+        with pytest.raises(
+            WeightSyncTimeoutError, match=r"did not complete within 2\.0s on rank 0"
+        ):
+            WeightSender(group).send(weights(1), version=1)
+        assert time.monotonic() - t0 < 30
+    finally:
+        idle.kill()
+        idle.wait()
+
+
+def test_a_killed_receiver_fails_the_sync_promptly() -> None:
+    group = TorchCollective(0, 2, timeout=20.0)
+    idle = spawn(group.port, 1, 2, 1, "--idle")
+    group.join()
+    assert idle.stdout is not None and json.loads(idle.stdout.readline()) == {"joined": True}
+    os.kill(idle.pid, signal.SIGKILL)
+    idle.wait()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError):
+        WeightSender(group).send(weights(1), version=1)
+    assert time.monotonic() - t0 < 25
+
+
+def test_group_arguments_are_checked() -> None:
+    with pytest.raises(WeightSyncError, match="rank 3 is not in a group of 2"):
+        TorchCollective(3, 2, port=1)
+    with pytest.raises(WeightSyncError, match="need the port rank 0 listens on"):
+        TorchCollective(1, 2)
+    group = TorchCollective(0, 1)
+    with pytest.raises(WeightSyncError, match="the sender is rank 0 of the group"):
+        WeightSender(_Rank(group, 1))
+
+
+class _Rank:
+    def __init__(self, inner: TorchCollective, rank: int) -> None:
+        self.rank, self.world_size, self.device = rank, inner.world_size, inner.device
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:  # pragma: no cover
+        raise AssertionError
+
+    def close(self) -> None:  # pragma: no cover
+        pass
+
+
+def test_weights_through_disk(tmp_path: Path) -> None:
+    path = save_weights(tmp_path / "policy.safetensors", weights(7), version=7)
+    assert sorted(os.listdir(tmp_path)) == ["policy.safetensors"]  # no temporary file left
+    version, got = load_weights(path, WeightMeta.of(weights(0)))
+    assert version == 7 and list(got) == list(weights(7))
+    assert all(torch.equal(got[k].float(), weights(7)[k].float()) for k in got)
+    other = dict(weights(0))
+    other["layers.0.mlp.bias"] = torch.zeros(47)
+    with pytest.raises(WeightMismatchError, match=r"layers.0.mlp.bias: float32\[47\] vs float32"):
+        load_weights(path, WeightMeta.of(other))
+    tied = {"a": torch.ones(3)}
+    tied["b"] = tied["a"]  # shared memory, as tied embeddings are
+    version, got = load_weights(save_weights(tmp_path / "tied.safetensors", tied, 1))
+    assert torch.equal(got["a"], got["b"])

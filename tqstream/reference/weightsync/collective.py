@@ -1,0 +1,136 @@
+"""The one collective a weight sync needs — a broadcast from the trainer (rank 0) — over a process
+group of its own.
+
+The group is made from a ``TCPStore`` rendezvous and a backend process group object
+(``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on GPUs), never through
+``torch.distributed.init_process_group``: the trainer's own default group (FSDP, DDP) and the
+rollout engine's (vLLM's tensor parallelism) stay untouched, and the sync group joins processes that
+belong to different jobs. Rank 0 hosts the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from tqstream.errors import WeightSyncError, WeightSyncTimeoutError
+
+__all__ = ["Collective", "TorchCollective"]
+
+
+class Collective(Protocol):
+    """What a weight sync needs of its transport."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Send ``tensor`` (on ``src``) into ``tensor`` on every rank; blocks until done."""
+
+    def close(self) -> None: ...
+
+
+class TorchCollective:
+    """A broadcast group of ``world_size`` processes: the trainer (rank 0) and the receivers.
+
+    ``backend`` "gloo" (CPU tensors) or "nccl" (CUDA tensors on ``device``). Every rank gives the
+    same ``host``/``port``; rank 0 listens there (``port=0``: any free port, read it from
+    ``port`` and hand it to the others). The group assembles at the first broadcast; a broadcast
+    (or the assembly) that some rank does not join within ``timeout`` seconds raises
+    :class:`WeightSyncTimeoutError`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: str = "gloo",
+        device: torch.device | str | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise WeightSyncError(f"rank {rank} is not in a group of {world_size}", rank=rank)
+        if rank and not port:
+            raise WeightSyncError("ranks other than 0 need the port rank 0 listens on", rank=rank)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.timeout = timeout
+        self._delta = datetime.timedelta(seconds=timeout)
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        elif backend == "nccl":
+            if getattr(dist, "ProcessGroupNCCL", None) is None or not torch.cuda.is_available():
+                raise WeightSyncError(
+                    "the nccl backend needs a CUDA device and a CUDA build of torch; use "
+                    "backend='gloo'"
+                )
+            self.device = torch.device(device or f"cuda:{torch.cuda.current_device()}")
+        else:
+            raise WeightSyncError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+        try:
+            self.store = dist.TCPStore(
+                host, port, world_size, rank == 0, timeout=self._delta, wait_for_workers=False
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            raise WeightSyncTimeoutError(
+                f"rank {rank} could not reach the weight-sync group at {host}:{port} within "
+                f"{timeout}s: {exc}; is rank 0 (the trainer) up, and is the address right?",
+                rank=rank,
+            ) from exc
+        self.port: int = self.store.port
+        self.group: Any = None  # made by the first broadcast: every rank must be there by then
+
+    def join(self) -> Any:
+        """Assemble the group now (else the first broadcast does), waiting up to ``timeout`` for
+        every rank; returns the backend process group."""
+        if self.group is None:
+            try:
+                if self.backend == "gloo":
+                    self.group = dist.ProcessGroupGloo(
+                        self.store, self.rank, self.world_size, self._delta
+                    )
+                else:
+                    nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]
+                    torch.cuda.set_device(self.device)
+                    options = nccl.Options()
+                    options._timeout = self._delta
+                    self.group = nccl(self.store, self.rank, self.world_size, options)
+            except RuntimeError as exc:
+                raise WeightSyncTimeoutError(
+                    f"the weight-sync group of {self.world_size} did not assemble within "
+                    f"{self.timeout}s on rank {self.rank}: {str(exc).splitlines()[0]}",
+                    rank=self.rank,
+                ) from exc
+        return self.group
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        group = self.join()
+        try:
+            group.broadcast([tensor], opts).wait()
+        except RuntimeError as exc:
+            text, low = str(exc), str(exc).lower()
+            if any(
+                w in low for w in ("timeout", "timed out", "connection closed", "reset by peer")
+            ):
+                raise WeightSyncTimeoutError(
+                    f"a weight-sync broadcast did not complete within {self.timeout}s on rank "
+                    f"{self.rank} of {self.world_size}: a peer did not take part (it died, or "
+                    f"never called receive); {text.splitlines()[0]}",
+                    rank=self.rank,
+                    timeout=self.timeout,
+                ) from exc
+            raise WeightSyncError(f"weight-sync broadcast failed on rank {self.rank}: {text}",
+                                  rank=self.rank) from exc  # fmt: skip
+
+    def close(self) -> None:
+        """Drop the group (idempotent)."""
+        self.group = None
+        self.store = None  # type: ignore[assignment]

@@ -1,0 +1,181 @@
+"""Trainer → rollout workers weight sync over a :class:`~.collective.Collective`, and through disk.
+
+One sync is a few broadcasts from rank 0 (see ``layout.py`` for the byte stream):
+
+1. a control record, ``int64[6]``: magic, policy version, metadata fingerprint, header length,
+   stream length, bucket size;
+2. the metadata header (names, dtypes, shapes; msgpack) — only when it changed since the last sync,
+   so a steady run sends it once;
+3. the stream, one bucket at a time.
+
+Receivers take part in every broadcast the control record announces before they check anything,
+so a mismatch (other names, dtypes or shapes than a receiver expects, a receiver that missed the
+header) is a :class:`~tqstream.errors.WeightMismatchError` on that receiver, never a hang of the
+others or garbage weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from tqstream.errors import WeightMismatchError, WeightSyncError
+from tqstream.reference.weightsync.collective import Collective
+from tqstream.reference.weightsync.layout import WeightMeta, buckets, pack, unpack
+
+__all__ = ["SyncStats", "WeightReceiver", "WeightSender", "load_weights", "save_weights"]
+
+MAGIC = 0x7153_5759  # "tqSWY": a control record of this protocol
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncStats:
+    version: int
+    nbytes: int
+    buckets: int
+    header_bytes: int  # 0 when the metadata was unchanged
+    seconds: float
+
+
+class WeightSender:
+    """Rank 0's side. ``send`` blocks until every receiver took every bucket.
+
+    The stream buffer (the weights' size, on the collective's device) is kept between syncs while
+    the metadata is unchanged."""
+
+    def __init__(self, collective: Collective, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        if collective.rank != 0:
+            raise WeightSyncError(f"the sender is rank 0 of the group, not {collective.rank}")
+        if bucket_bytes <= 0:
+            raise WeightSyncError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.collective = collective
+        self.bucket_bytes = bucket_bytes
+        self._meta: WeightMeta | None = None
+        self._stream: torch.Tensor | None = None
+
+    def send(self, weights: Mapping[str, torch.Tensor], version: int) -> SyncStats:
+        t0 = time.perf_counter()
+        c, device = self.collective, self.collective.device
+        meta = WeightMeta.of(weights)
+        header = b""
+        if meta != self._meta or self._stream is None:
+            header = meta.encode()
+            self._meta = meta
+            self._stream = torch.empty(meta.total, dtype=torch.uint8, device=device)
+        stream = self._stream
+        pack(meta, weights, stream)
+        control = [MAGIC, version, meta.fingerprint, len(header), meta.total, self.bucket_bytes]
+        c.broadcast(torch.tensor(control, dtype=torch.int64, device=device))
+        if header:
+            c.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
+        n = 0
+        for start, stop in buckets(meta.total, self.bucket_bytes):
+            c.broadcast(stream[start:stop])
+            n += 1
+        return SyncStats(version, meta.total, n, len(header), time.perf_counter() - t0)
+
+
+class WeightReceiver:
+    """A rollout worker's side. ``expected``: the weights its model has (``WeightMeta.of(
+    model.state_dict())``); without it, whatever is sent is accepted.
+
+    ``receive`` returns views of a buffer reused by the next ``receive``: load them into the model
+    (``load_state_dict`` / vLLM's ``load_weights`` copy) before receiving again."""
+
+    def __init__(self, collective: Collective, expected: WeightMeta | None = None) -> None:
+        self.collective = collective
+        self.expected = expected
+        self._meta: WeightMeta | None = None
+        self._stream: torch.Tensor | None = None
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        c, device = self.collective, self.collective.device
+        control = torch.zeros(6, dtype=torch.int64, device=device)
+        c.broadcast(control)
+        magic, version, fingerprint, header_bytes, total, bucket_bytes = control.tolist()
+        if magic != MAGIC:
+            raise WeightSyncError(
+                f"rank {c.rank} received {magic:#x} where a weight-sync control record starts; "
+                "the group's ranks are out of step (a rank called something other than "
+                "send/receive on this group)",
+                rank=c.rank,
+            )
+        sent: WeightMeta | None = self._meta
+        if header_bytes:
+            header = torch.empty(header_bytes, dtype=torch.uint8, device=device)
+            c.broadcast(header)
+            sent = self._meta = WeightMeta.decode(header.cpu().numpy().tobytes())
+        if self._stream is None or self._stream.numel() != total:
+            self._stream = torch.empty(total, dtype=torch.uint8, device=device)
+        stream = self._stream
+        for start, stop in buckets(total, bucket_bytes):
+            c.broadcast(stream[start:stop])
+        # every broadcast taken: now judge what came
+        if sent is None or sent.fingerprint != fingerprint or sent.total != total:
+            raise WeightMismatchError(
+                f"rank {c.rank} received version {version}'s weights without their metadata (it "
+                "joined after the first sync, or missed one): every receiver must take part in "
+                "every sync from the first; restart the group",
+                rank=c.rank,
+                version=version,
+            )
+        if self.expected is not None and self.expected != sent:
+            raise WeightMismatchError(
+                f"rank {c.rank}: the weights of version {version} differ from this model's ("
+                f"{self.expected.difference(sent)}); nothing was loaded — the trainer and the "
+                "rollout engine must hold the same architecture",
+                rank=c.rank,
+                version=version,
+            )
+        return version, unpack(sent, stream)
+
+
+def save_weights(path: str | Path, weights: Mapping[str, torch.Tensor], version: int) -> Path:
+    """Write ``weights`` as a safetensors file tagged with ``version`` (atomically: readers see the
+    old file or the new one, never a partial one)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, t in weights.items():
+        t = t.detach().cpu().contiguous()
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
+        tensors[name] = t.clone() if key in seen else t  # safetensors refuses shared memory
+        seen.add(key)
+    meta = WeightMeta.of(tensors)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"version": str(version),
+                                           "fingerprint": str(meta.fingerprint)})  # fmt: skip
+    os.replace(tmp, path)
+    return path
+
+
+def load_weights(
+    path: str | Path, expected: WeightMeta | None = None
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """``(version, weights)`` from :func:`save_weights`' file; ``expected`` as in
+    :class:`WeightReceiver`."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        info = f.metadata() or {}
+        names = list(f.keys())
+        weights = {name: f.get_tensor(name) for name in names}
+    if "version" not in info:
+        raise WeightMismatchError(f"{path} is not a tqstream weights file (no version in it)")
+    sent = WeightMeta.of(weights)
+    if expected is not None and expected != sent:
+        ordered = {n: weights[n] for n in expected.names if n in weights}
+        if WeightMeta.of(ordered) != expected or len(ordered) != len(weights):
+            raise WeightMismatchError(
+                f"the weights in {path} differ from this model's ({expected.difference(sent)})"
+            )
+        weights = ordered  # the file keeps names sorted; give them in the model's order
+    return int(info["version"]), weights
