@@ -24,7 +24,17 @@ from typing import Any
 from benchmarks._systems import SYSTEMS
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = ("small", "mid", "large", "ragged", "metadata", "concurrency", "producers", "sweep")
+GROUPS = (
+    "small",
+    "mid",
+    "large",
+    "ragged",
+    "metadata",
+    "concurrency",
+    "producers",
+    "weightsync",
+    "sweep",
+)
 ORDER = SYSTEMS
 RATIO_NOTE = "ratio = tqstream median time / that system's median time (< 1: tqstream is faster)"
 ALIAS_NOTE = (

@@ -1,7 +1,8 @@
-"""Hypothesis: the weight-sync byte stream. Any state dict packs into the stream, and the stream,
-cut into buckets of any size and put back together, unpacks to bit-identical tensors; buckets
-cover the stream exactly; every tensor starts aligned; metadata round-trips and fingerprints tell
-different metadata apart."""
+"""Hypothesis: the weight-sync byte stream. Any state dict, sent as the ranges of its plan for any
+bucket size (large tensors from their own memory, small ones packed range by range), unpacks to
+bit-identical tensors; the ranges are ordered, disjoint, cover every tensor's bytes and stay within
+the bucket size unless they are one tensor; every tensor starts aligned; metadata round-trips and
+fingerprints tell different metadata apart."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tqstream.errors import WeightMismatchError
-from tqstream.reference.weightsync.layout import ALIGN, WeightMeta, buckets, pack, unpack
+from tqstream.reference.weightsync.layout import ALIGN, WeightMeta, pack, plan, unpack
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool,
           torch.float64, torch.complex64]  # fmt: skip
@@ -33,24 +34,45 @@ def state_dicts(draw: st.DrawFn) -> dict[str, torch.Tensor]:
 
 
 @settings(deadline=None, max_examples=200)
-@given(weights=state_dicts(), bucket_bytes=st.integers(1, 300))
-def test_stream_round_trip_through_buckets(weights: dict, bucket_bytes: int) -> None:
+@given(
+    weights=state_dicts(),
+    bucket_bytes=st.integers(1, 300),
+    direct_bytes=st.none() | st.integers(1, 300),
+)
+def test_stream_round_trip_through_the_plan(
+    weights: dict, bucket_bytes: int, direct_bytes: int | None
+) -> None:
     meta = WeightMeta.of(weights)
-    stream = torch.zeros(meta.total, dtype=torch.uint8)
-    pack(meta, weights, stream)
-    cuts = list(buckets(meta.total, bucket_bytes))
-    assert [a for a, _ in cuts] == list(range(0, meta.total, bucket_bytes))
-    assert all(b - a == bucket_bytes for a, b in cuts[:-1])
-    assert (cuts[-1][1] if cuts else 0) == meta.total
+    ranges = plan(meta, bucket_bytes, direct_bytes)
+    direct = bucket_bytes if direct_bytes is None else min(bucket_bytes, direct_bytes)
+    covered = set()
+    for k, (a, b, i) in enumerate(ranges):
+        assert a < b and (k + 1 == len(ranges) or b <= ranges[k + 1][0])
+        if i >= 0:
+            assert (a, b) == (meta.offsets[i], meta.offsets[i] + meta.nbytes(i))
+            assert meta.nbytes(i) >= direct
+        else:
+            assert b - a <= bucket_bytes
+            assert all(meta.nbytes(j) < direct for j, at in enumerate(meta.offsets) if a <= at < b)
+        covered.update(range(a, b))
+    for i, at in enumerate(meta.offsets):
+        assert set(range(at, at + meta.nbytes(i))) <= covered
     received = torch.zeros(meta.total, dtype=torch.uint8)
-    for a, b in cuts:
-        received[a:b] = stream[a:b]
+    scratch = torch.zeros(meta.total, dtype=torch.uint8)
+    for a, b, i in ranges:  # what the sender broadcasts, into the receiver's stream
+        if i >= 0:
+            t = weights[meta.names[i]]
+            received[a:b] = t.reshape(-1).view(torch.uint8)
+        else:
+            pack(meta, weights, scratch, a, b)
+            received[a:b] = scratch[a:b]
     got = unpack(meta, received)
     assert list(got) == list(weights)
     for name, t in weights.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape
-        assert torch.equal(got[name].reshape(-1).view(torch.uint8) if t.numel() else got[name],
-                           t.reshape(-1).view(torch.uint8) if t.numel() else t)  # fmt: skip
+        if t.numel():
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8),
+                               t.reshape(-1).view(torch.uint8))  # fmt: skip
     assert all(at % ALIGN == 0 for at in meta.offsets)
     assert WeightMeta.decode(meta.encode()) == meta
 

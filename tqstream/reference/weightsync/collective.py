@@ -11,6 +11,7 @@ belong to different jobs. Rank 0 hosts the store.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +20,9 @@ import torch.distributed as dist
 from tqstream.errors import WeightSyncError, WeightSyncTimeoutError
 
 __all__ = ["Collective", "TorchCollective"]
+
+_PEER_GONE = ("timeout", "timed out", "connection closed", "reset by peer")
+"""What the backends' errors say when a peer did not take part (lower case)."""
 
 
 class Collective(Protocol):
@@ -30,6 +34,10 @@ class Collective(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Send ``tensor`` (on ``src``) into ``tensor`` on every rank; blocks until done."""
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Callable[[], None]:
+        """Start a broadcast and return the call that waits for it (operations of one group run
+        in the order they were started)."""
 
     def close(self) -> None: ...
 
@@ -110,25 +118,37 @@ class TorchCollective:
         return self.group
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.start_broadcast(tensor, src)()
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Callable[[], None]:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         group = self.join()
         try:
-            group.broadcast([tensor], opts).wait()
+            work = group.broadcast([tensor], opts)
         except RuntimeError as exc:
-            text, low = str(exc), str(exc).lower()
-            if any(
-                w in low for w in ("timeout", "timed out", "connection closed", "reset by peer")
-            ):
-                raise WeightSyncTimeoutError(
-                    f"a weight-sync broadcast did not complete within {self.timeout}s on rank "
-                    f"{self.rank} of {self.world_size}: a peer did not take part (it died, or "
-                    f"never called receive); {text.splitlines()[0]}",
-                    rank=self.rank,
-                    timeout=self.timeout,
-                ) from exc
-            raise WeightSyncError(f"weight-sync broadcast failed on rank {self.rank}: {text}",
-                                  rank=self.rank) from exc  # fmt: skip
+            raise self._error(exc) from exc
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise self._error(exc) from exc
+
+        return wait
+
+    def _error(self, exc: RuntimeError) -> WeightSyncError:
+        text = str(exc)
+        if any(w in text.lower() for w in _PEER_GONE):
+            return WeightSyncTimeoutError(
+                f"a weight-sync broadcast did not complete within {self.timeout}s on rank "
+                f"{self.rank} of {self.world_size}: a peer did not take part (it died, or never "
+                f"called receive); {text.splitlines()[0]}",
+                rank=self.rank,
+                timeout=self.timeout,
+            )
+        return WeightSyncError(f"weight-sync broadcast failed on rank {self.rank}: {text}",
+                               rank=self.rank)  # fmt: skip
 
     def close(self) -> None:
         """Drop the group (idempotent)."""

@@ -1,11 +1,11 @@
 """Where each weight lies in a sync's byte stream: pure arithmetic, no I/O.
 
 A sync moves one *byte stream*: every tensor of the state dict, in the order of the metadata list,
-each starting at a multiple of :data:`ALIGN` (so received tensors are aligned views). The stream is
-cut into buckets of ``bucket_bytes`` (the last one shorter), broadcast one after another. Bucket
-boundaries depend only on the stream's length and ``bucket_bytes``, which the sender announces
-before the buckets: a receiver can always take part in every broadcast — and so never leaves the
-sender hanging — even when the weights it expects turn out to differ; it then raises
+each starting at a multiple of :data:`ALIGN` (so received tensors are aligned views). The stream
+travels as ranges (:func:`plan`): a large tensor is broadcast straight from its own memory, small
+ones are packed into buckets. The sender announces the ranges before it sends them, so a receiver
+can always take part in every broadcast — and so never leaves the sender hanging — even when the
+weights it expects turn out to differ; it then raises
 :class:`~tqstream.errors.WeightMismatchError` instead of loading them.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import torch
@@ -133,21 +133,61 @@ def _few(items: Sequence[str], k: int = 3) -> str:
     return ", ".join(items[:k]) + (f" and {len(items) - k} more" if len(items) > k else "")
 
 
-def buckets(total: int, bucket_bytes: int) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` of each bucket of a stream of ``total`` bytes."""
+def plan(
+    meta: WeightMeta, bucket_bytes: int, direct_bytes: int | None = None
+) -> list[tuple[int, int, int]]:
+    """The sync's broadcasts: ``(start, stop, tensor)`` ranges of the stream, in order.
+
+    A tensor of ``direct_bytes`` or more (default: ``bucket_bytes``) is a range of its own
+    (``tensor`` is its index: the sender broadcasts its memory as it is, no copy); smaller ones are
+    packed together into ranges of at most ``bucket_bytes`` (``tensor`` -1), where one broadcast
+    per tensor would cost more than the copy. Empty tensors take no range."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    for start in range(0, total, bucket_bytes):
-        yield start, min(start + bucket_bytes, total)
+    direct = bucket_bytes if direct_bytes is None else min(direct_bytes, bucket_bytes)
+    out: list[tuple[int, int, int]] = []
+    start = stop = -1  # the packed range being filled
+    for i, at in enumerate(meta.offsets):
+        n = meta.nbytes(i)
+        if not n:
+            continue
+        if n >= direct:
+            if start >= 0:
+                out.append((start, stop, -1))
+                start = -1
+            out.append((at, at + n, i))
+            continue
+        if start >= 0 and at + n - start > bucket_bytes:
+            out.append((start, stop, -1))
+            start = -1
+        if start < 0:
+            start = at
+        stop = at + n
+    if start >= 0:
+        out.append((start, stop, -1))
+    return out
 
 
-def pack(meta: WeightMeta, weights: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
-    """Copy ``weights`` (matching ``meta``) into the uint8 stream ``out`` (``meta.total`` bytes)."""
-    for name, at in zip(meta.names, meta.offsets, strict=True):
-        t = weights[name].detach()
-        n = t.numel() * t.element_size()
-        if n:
-            out[at : at + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+def pack(
+    meta: WeightMeta,
+    weights: Mapping[str, torch.Tensor],
+    out: torch.Tensor,
+    start: int = 0,
+    stop: int | None = None,
+) -> None:
+    """Copy the bytes ``[start, stop)`` of the stream of ``weights`` (matching ``meta``) into the
+    uint8 stream ``out`` (``meta.total`` bytes), at the same place: one bucket at a time, so the
+    next bucket is packed while the last one is on the wire."""
+    stop = meta.total if stop is None else stop
+    for i, (name, at) in enumerate(zip(meta.names, meta.offsets, strict=True)):
+        end = at + meta.nbytes(i)
+        lo, hi = max(at, start), min(end, stop)
+        if lo >= hi:
+            if at >= stop:
+                break
+            continue
+        raw = weights[name].detach().reshape(-1).view(torch.uint8)
+        out[lo:hi].copy_(raw[lo - at : hi - at], non_blocking=True)
 
 
 def unpack(meta: WeightMeta, stream: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -3,10 +3,12 @@
 One sync is a few broadcasts from rank 0 (see ``layout.py`` for the byte stream):
 
 1. a control record, ``int64[6]``: magic, policy version, metadata fingerprint, header length,
-   stream length, bucket size;
-2. the metadata header (names, dtypes, shapes; msgpack) — only when it changed since the last sync,
+   stream length, number of ranges;
+2. the ranges, ``int64[2 * n]`` (start, stop of each: ``layout.plan``);
+3. the metadata header (names, dtypes, shapes; msgpack) — only when it changed since the last sync,
    so a steady run sends it once;
-3. the stream, one bucket at a time.
+4. the ranges, all started at once (the group runs them in order, back to back); a packed range
+   is filled while the earlier ones travel.
 
 Receivers take part in every broadcast the control record announces before they check anything,
 so a mismatch (other names, dtypes or shapes than a receiver expects, a receiver that missed the
@@ -26,37 +28,47 @@ import torch
 
 from tqstream.errors import WeightMismatchError, WeightSyncError
 from tqstream.reference.weightsync.collective import Collective
-from tqstream.reference.weightsync.layout import WeightMeta, buckets, pack, unpack
+from tqstream.reference.weightsync.layout import WeightMeta, pack, plan, unpack
 
 __all__ = ["SyncStats", "WeightReceiver", "WeightSender", "load_weights", "save_weights"]
 
 MAGIC = 0x7153_5759  # "tqSWY": a control record of this protocol
 DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_DIRECT_BYTES = 1 << 20
+"""Tensors of this size or more are broadcast from their own memory; smaller ones are packed."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncStats:
     version: int
     nbytes: int
-    buckets: int
+    broadcasts: int  # ranges of the stream: large tensors one each, small ones packed
     header_bytes: int  # 0 when the metadata was unchanged
     seconds: float
 
 
 class WeightSender:
-    """Rank 0's side. ``send`` blocks until every receiver took every bucket.
+    """Rank 0's side. ``send`` blocks until every receiver took every range.
 
-    The stream buffer (the weights' size, on the collective's device) is kept between syncs while
-    the metadata is unchanged."""
+    Tensors of ``direct_bytes`` or more are broadcast from their own memory (when contiguous and on
+    the collective's device); smaller ones are packed into buckets of up to ``bucket_bytes`` in a
+    buffer kept between syncs while the metadata is unchanged."""
 
-    def __init__(self, collective: Collective, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        collective: Collective,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        direct_bytes: int = DEFAULT_DIRECT_BYTES,
+    ) -> None:
         if collective.rank != 0:
             raise WeightSyncError(f"the sender is rank 0 of the group, not {collective.rank}")
         if bucket_bytes <= 0:
             raise WeightSyncError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.collective = collective
         self.bucket_bytes = bucket_bytes
+        self.direct_bytes = direct_bytes
         self._meta: WeightMeta | None = None
+        self._plan: list[tuple[int, int, int]] = []
         self._stream: torch.Tensor | None = None
 
     def send(self, weights: Mapping[str, torch.Tensor], version: int) -> SyncStats:
@@ -66,19 +78,29 @@ class WeightSender:
         header = b""
         if meta != self._meta or self._stream is None:
             header = meta.encode()
-            self._meta = meta
+            self._meta, self._plan = meta, plan(meta, self.bucket_bytes, self.direct_bytes)
             self._stream = torch.empty(meta.total, dtype=torch.uint8, device=device)
-        stream = self._stream
-        pack(meta, weights, stream)
-        control = [MAGIC, version, meta.fingerprint, len(header), meta.total, self.bucket_bytes]
+        stream, ranges = self._stream, self._plan
+        control = [MAGIC, version, meta.fingerprint, len(header), meta.total, len(ranges)]
         c.broadcast(torch.tensor(control, dtype=torch.int64, device=device))
+        table = [x for start, stop, _ in ranges for x in (start, stop)]
+        if table:
+            c.broadcast(torch.tensor(table, dtype=torch.int64, device=device))
         if header:
             c.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
-        n = 0
-        for start, stop in buckets(meta.total, self.bucket_bytes):
-            c.broadcast(stream[start:stop])
-            n += 1
-        return SyncStats(version, meta.total, n, len(header), time.perf_counter() - t0)
+        waits = []  # every range in flight at once: the group runs them in order, back to back
+        for start, stop, i in ranges:
+            if i >= 0:  # one large tensor: its own memory, no copy
+                t = weights[meta.names[i]].detach()
+                t = t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
+                part = t.reshape(-1).view(torch.uint8)
+            else:
+                pack(meta, weights, stream, start, stop)  # while the earlier ranges travel
+                part = stream[start:stop]
+            waits.append(c.start_broadcast(part))
+        for wait in waits:
+            wait()
+        return SyncStats(version, meta.total, len(ranges), len(header), time.perf_counter() - t0)
 
 
 class WeightReceiver:
@@ -98,7 +120,7 @@ class WeightReceiver:
         c, device = self.collective, self.collective.device
         control = torch.zeros(6, dtype=torch.int64, device=device)
         c.broadcast(control)
-        magic, version, fingerprint, header_bytes, total, bucket_bytes = control.tolist()
+        magic, version, fingerprint, header_bytes, total, n_ranges = control.tolist()
         if magic != MAGIC:
             raise WeightSyncError(
                 f"rank {c.rank} received {magic:#x} where a weight-sync control record starts; "
@@ -106,6 +128,12 @@ class WeightReceiver:
                 "send/receive on this group)",
                 rank=c.rank,
             )
+        ranges: list[tuple[int, int]] = []
+        if n_ranges:
+            table = torch.zeros(2 * n_ranges, dtype=torch.int64, device=device)
+            c.broadcast(table)
+            flat = table.tolist()
+            ranges = list(zip(flat[::2], flat[1::2], strict=True))
         sent: WeightMeta | None = self._meta
         if header_bytes:
             header = torch.empty(header_bytes, dtype=torch.uint8, device=device)
@@ -114,8 +142,9 @@ class WeightReceiver:
         if self._stream is None or self._stream.numel() != total:
             self._stream = torch.empty(total, dtype=torch.uint8, device=device)
         stream = self._stream
-        for start, stop in buckets(total, bucket_bytes):
-            c.broadcast(stream[start:stop])
+        waits = [c.start_broadcast(stream[start:stop]) for start, stop in ranges]
+        for wait in waits:
+            wait()
         # every broadcast taken: now judge what came
         if sent is None or sent.fingerprint != fingerprint or sent.total != total:
             raise WeightMismatchError(
