@@ -1,0 +1,116 @@
+"""The reference trainer's step: decoupled PPO with GRPO advantages on a Hugging Face causal LM.
+
+One call is one optimizer step on a batch of trajectories (prompt tokens, response tokens, their
+behaviour logprobs and per-token versions from the rollout engine, a reward, a group):
+
+1. proximal logprobs: recomputed by a forward pass with the weights the step starts from (the
+   standard decoupled PPO), or AReaL's log-linear approximation from the per-token versions
+   (``proximal="loglinear"``: no extra forward pass);
+2. current logprobs with gradients, at the rollout's ``temperature`` so that they are comparable
+   with the behaviour logprobs;
+3. GRPO advantages per group, the decoupled loss (``loss.py``), one optimizer step; ``version``
+   goes up by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from tqstream.reference.loss import decoupled_ppo_loss, grpo_advantages, loglinear_proximal
+
+__all__ = ["PPOTrainer"]
+
+
+class PPOTrainer:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        pad_id: int,
+        lr: float = 1e-3,
+        temperature: float = 1.0,
+        eps_clip: float = 0.2,
+        behav_cap: float | None = 5.0,
+        proximal: str = "recompute",
+        version: int = 0,
+    ) -> None:
+        if proximal not in ("recompute", "loglinear"):
+            raise ValueError(f"proximal must be 'recompute' or 'loglinear', got {proximal!r}")
+        self.model = model
+        self.pad_id, self.temperature = pad_id, temperature
+        self.eps_clip, self.behav_cap, self.proximal = eps_clip, behav_cap, proximal
+        self.version = version
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def logprobs(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> Any:
+        """``(logp [B, T], mask [B, T])``: each response token's logprob under the current weights,
+        at response positions of a right-padded batch (grad enabled if the caller's is)."""
+        seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses, strict=True)]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+        for i, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
+            ids[i, : len(s)] = s
+            attention[i, : len(s)] = 1
+            mask[i, len(p) - 1 : len(s) - 1] = True  # logits at t predict token t + 1
+        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        logp = torch.log_softmax(logits / self.temperature, dim=-1)
+        return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), mask
+
+    @staticmethod
+    def _place(values: Sequence[torch.Tensor], mask: torch.Tensor, fill: float) -> torch.Tensor:
+        out = torch.full(mask.shape, fill, dtype=torch.float32)
+        out[mask] = torch.cat([v.float().reshape(-1) for v in values])
+        return out
+
+    def step(
+        self,
+        prompts: Sequence[torch.Tensor],
+        responses: Sequence[torch.Tensor],
+        behav_logprobs: Sequence[torch.Tensor],
+        versions: Sequence[torch.Tensor],
+        rewards: torch.Tensor,
+        groups: Sequence[Hashable],
+    ) -> dict[str, float]:
+        """One optimizer step; returns its statistics (loss, reward, clipping, ...)."""
+        if not (len(prompts) == len(responses) == len(behav_logprobs) == len(versions)
+                == len(rewards) == len(groups)):  # fmt: skip
+            raise ValueError("every argument needs one entry per trajectory")
+        for r, b, v in zip(responses, behav_logprobs, versions, strict=True):
+            if not (len(r) == len(b) == len(v)):
+                raise ValueError(
+                    f"a response of {len(r)} tokens came with {len(b)} logprobs and {len(v)} "
+                    "versions; the rollout engine gives one of each per generated token"
+                )
+        self.model.train()
+        if self.proximal == "recompute":
+            with torch.no_grad():
+                prox, _ = self.logprobs(prompts, responses)
+        logp, mask = self.logprobs(prompts, responses)
+        behav = self._place(behav_logprobs, mask, 0.0)
+        token_versions = self._place(versions, mask, -1.0).long()
+        if self.proximal == "loglinear":
+            prox = loglinear_proximal(behav, logp, token_versions, self.version)
+        advantages = grpo_advantages(rewards, groups)
+        loss, stats = decoupled_ppo_loss(
+            logp, prox, behav, advantages, mask, eps_clip=self.eps_clip, behav_cap=self.behav_cap
+        )
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the loss is {loss.item()} at version {self.version}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.model.eval()
+        self.version += 1
+        lag = self.version - 1 - token_versions[mask]
+        return {
+            "loss": float(loss),
+            "reward_mean": float(rewards.float().mean()),
+            "version": float(self.version),
+            "max_lag": float(lag.max()) if lag.numel() else 0.0,
+            **stats,
+        }
