@@ -77,8 +77,9 @@ def decoupled_ppo_loss(
     weight = torch.where(mask, torch.exp(prox_logp - behav_logp), 0.0)
     keep = mask if behav_cap is None else mask & (weight <= behav_cap)
     loss = torch.where(keep, surrogate * weight, 0.0).sum() / count
+    ratio, weight = ratio.detach(), weight.detach()
     stats = {
-        "clip_fraction": float(((ratio != clipped) & mask).sum()) / count,
+        "clip_fraction": float(((ratio != clipped.detach()) & mask).sum()) / count,
         "behav_dropped_fraction": float((mask & ~keep).sum()) / count,
         "behav_weight_mean": float(torch.where(keep, weight, 0.0).sum()) / max(int(keep.sum()), 1),
         "ratio_mean": float(ratio.sum()) / count,

@@ -108,7 +108,7 @@ class PPOTrainer:
         self.version += 1
         lag = self.version - 1 - token_versions[mask]
         return {
-            "loss": float(loss),
+            "loss": loss.item(),
             "reward_mean": float(rewards.float().mean()),
             "version": float(self.version),
             "max_lag": float(lag.max()) if lag.numel() else 0.0,
