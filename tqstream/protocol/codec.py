@@ -494,13 +494,13 @@ def columns_to_wire(
 
 
 def _packed_to_wire(columns: Mapping[str, Column]) -> tuple[list[ColumnRef], list[Any]]:
-    buffers: list[memoryview] = []
+    placed: list[tuple[memoryview, int]] = []  # each tensor's bytes and its offset in the frame
     end = 0
 
     def place(t: torch.Tensor, dtype: str) -> BufferRef:
         nonlocal end
         b = _as_bytes(t)
-        buffers.append(b)
+        placed.append((b, end))
         ref = BufferRef(1, dtype, tuple(t.shape), end)
         end += -(-b.nbytes // _ALIGN) * _ALIGN
         return ref
@@ -511,8 +511,8 @@ def _packed_to_wire(columns: Mapping[str, Column]) -> tuple[list[ColumnRef], lis
         offsets = None if col.offsets is None else place(col.offsets, "int64")
         refs.append(ColumnRef(name, col.schema, values, offsets))
     frame = bytearray(end)
-    for b, ref in zip(buffers, (r for c in refs for r in (c.values, c.offsets) if r), strict=True):
-        frame[ref.offset : ref.offset + b.nbytes] = b
+    for b, at in placed:
+        frame[at : at + b.nbytes] = b
     return refs, [frame]
 
 

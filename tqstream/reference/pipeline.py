@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -154,10 +155,10 @@ def run(
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     procs: list[Any] = []
+    tok_dir = tempfile.mkdtemp(prefix="tqstream-tok-")  # the tokenizer, for the workers to load
     t0 = time.perf_counter()
     try:
         torch.manual_seed(config.seed)
-        tok_dir = tempfile.mkdtemp(prefix="tqstream-tok-")
         tok = tiny_tokenizer(tok_dir)
         model = tiny_model(len(tok), seed=config.seed)
         trainer = PPOTrainer(model, pad_id=tok.pad_token_id, lr=config.lr,
@@ -229,5 +230,6 @@ def run(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(tok_dir, ignore_errors=True)
         if own:
             client.close()

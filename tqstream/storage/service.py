@@ -29,7 +29,6 @@ maps it) or unlinked; every name the unit owns is unlinked at close.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
@@ -91,13 +90,12 @@ PUT_GRACE = 10.0
 class _Landing:
     """A stored put whose commit is in flight (see the module docstring)."""
 
-    __slots__ = ("answer", "cleared_before", "done", "drops", "partition", "put")
+    __slots__ = ("answer", "cleared_before", "done", "drops", "put")
 
     def __init__(
         self, put: PreparePut, answer: asyncio.Future[StoredReply], done: asyncio.Future[None]
     ) -> None:
         self.put = put
-        self.partition = put.partition
         self.answer = answer  # the controller's answer
         self.done = done  # set once the put is over (indexed, refused or failed)
         self.drops: set[int] = set()  # row ids whose drop order came before the rows
@@ -130,8 +128,7 @@ class StorageService:
         )
         self.unit: int | None = None
         self._link: Connection | None = None  # to the controller, for stored puts
-        self._landings: dict[int, _Landing] = {}
-        self._landing_ids = itertools.count()
+        self._landings: set[_Landing] = set()
         self._outgoing: list[_Landing] = []  # stored puts not sent to the controller yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -231,12 +228,11 @@ class StorageService:
         put = msgspec.structs.replace(put, rid=0, nbytes=nbytes)
         loop = asyncio.get_running_loop()
         landing = _Landing(put, loop.create_future(), loop.create_future())
-        key = next(self._landing_ids)
-        self._landings[key] = landing
+        self._landings.add(landing)
         if not self._outgoing:  # after this drain of the socket: one PutStored for its puts
             loop.call_soon(self._send_stored)
         self._outgoing.append(landing)
-        return self._land(msg.rid, key, landing, columns)
+        return self._land(msg.rid, landing, columns)
 
     def _send_stored(self) -> None:
         landings, self._outgoing = self._outgoing, []
@@ -274,9 +270,7 @@ class StorageService:
             else:
                 x.answer.set_result(result)
 
-    async def _land(
-        self, rid: int, key: int, landing: _Landing, columns: dict[str, Column]
-    ) -> MetaReply:
+    async def _land(self, rid: int, landing: _Landing, columns: dict[str, Column]) -> MetaReply:
         partition = landing.put.partition
         try:
             reply = await landing.answer
@@ -288,12 +282,12 @@ class StorageService:
                     self.store.drop_rows(partition, landing.drops.intersection(rows))
             return MetaReply(rid=rid, meta=reply.meta)
         finally:
-            del self._landings[key]
+            self._landings.discard(landing)
             landing.done.set_result(None)
             self._release_dropped()
 
     def _in_flight(self, partition: str) -> list[_Landing]:
-        return [x for x in self._landings.values() if x.partition == partition]
+        return [x for x in self._landings if x.put.partition == partition]
 
     async def _fetch_landed(self, msg: Fetch, landings: list[_Landing]) -> Any:
         """Serve once the rows landed, or fail as usual once the landings that could hold them

@@ -176,8 +176,8 @@ def pack(
     stop: int | None = None,
 ) -> None:
     """Copy the bytes ``[start, stop)`` of the stream of ``weights`` (matching ``meta``) into the
-    uint8 stream ``out`` (``meta.total`` bytes), at the same place: one bucket at a time, so the
-    next bucket is packed while the last one is on the wire."""
+    uint8 buffer ``out``, which holds that range (``stop - start`` bytes): one bucket at a time,
+    so the next bucket is packed while the earlier ones are on the wire."""
     stop = meta.total if stop is None else stop
     for i, (name, at) in enumerate(zip(meta.names, meta.offsets, strict=True)):
         end = at + meta.nbytes(i)
@@ -187,7 +187,7 @@ def pack(
                 break
             continue
         raw = weights[name].detach().reshape(-1).view(torch.uint8)
-        out[lo:hi].copy_(raw[lo - at : hi - at], non_blocking=True)
+        out[lo - start : hi - start].copy_(raw[lo - at : hi - at], non_blocking=True)
 
 
 def unpack(meta: WeightMeta, stream: torch.Tensor) -> dict[str, torch.Tensor]:

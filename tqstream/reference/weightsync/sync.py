@@ -51,8 +51,8 @@ class WeightSender:
     """Rank 0's side. ``send`` blocks until every receiver took every range.
 
     Tensors of ``direct_bytes`` or more are broadcast from their own memory (when contiguous and on
-    the collective's device); smaller ones are packed into buckets of up to ``bucket_bytes`` in a
-    buffer kept between syncs while the metadata is unchanged."""
+    the collective's device); smaller ones are packed into buckets of up to ``bucket_bytes``,
+    whose buffers are kept between syncs while the metadata is unchanged."""
 
     def __init__(
         self,
@@ -69,18 +69,22 @@ class WeightSender:
         self.direct_bytes = direct_bytes
         self._meta: WeightMeta | None = None
         self._plan: list[tuple[int, int, int]] = []
-        self._stream: torch.Tensor | None = None
+        self._buckets: dict[int, torch.Tensor] = {}  # packed range start -> its buffer
 
     def send(self, weights: Mapping[str, torch.Tensor], version: int) -> SyncStats:
         t0 = time.perf_counter()
         c, device = self.collective, self.collective.device
         meta = WeightMeta.of(weights)
         header = b""
-        if meta != self._meta or self._stream is None:
+        if meta != self._meta:
             header = meta.encode()
             self._meta, self._plan = meta, plan(meta, self.bucket_bytes, self.direct_bytes)
-            self._stream = torch.empty(meta.total, dtype=torch.uint8, device=device)
-        stream, ranges = self._stream, self._plan
+            self._buckets = {  # packed ranges only: large tensors go from their own memory
+                start: torch.empty(stop - start, dtype=torch.uint8, device=device)
+                for start, stop, i in self._plan
+                if i < 0
+            }
+        ranges = self._plan
         control = [MAGIC, version, meta.fingerprint, len(header), meta.total, len(ranges)]
         c.broadcast(torch.tensor(control, dtype=torch.int64, device=device))
         table = [x for start, stop, _ in ranges for x in (start, stop)]
@@ -95,8 +99,8 @@ class WeightSender:
                 t = t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
                 part = t.reshape(-1).view(torch.uint8)
             else:
-                pack(meta, weights, stream, start, stop)  # while the earlier ranges travel
-                part = stream[start:stop]
+                part = self._buckets[start]
+                pack(meta, weights, part, start, stop)  # while the earlier ranges travel
             waits.append(c.start_broadcast(part))
         for wait in waits:
             wait()
