@@ -319,3 +319,40 @@ def test_a_fetch_of_gone_rows_is_not_held_up_by_a_put_waiting_for_room(
             await putting
 
     asyncio.run(main())
+
+
+def test_a_controller_answer_of_the_wrong_size_fails_the_put() -> None:
+    async def main() -> None:
+        async with unit_with_scripted_controller() as (ctrl, conn):
+            msg, frames = put_rows("p", 1)
+            putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
+            _, responder = await asyncio.wait_for(ctrl.held.get(), 10)
+            responder.reply(StoredResults(rid=0, results=[]))
+            with pytest.raises(tqstream.InternalError, match="expected 1 StoredResults, got"):
+                await putting
+
+    asyncio.run(main())
+
+
+def test_a_unit_without_a_controller_refuses_direct_puts() -> None:
+    async def main() -> None:
+        ctx = context()
+        unit = StorageService(StorageConfig(), None, ctx)
+        serving = asyncio.ensure_future(unit.serve())
+        conn = await Connection.open(ctx, unit.address, connect_timeout=5.0,
+                                     heartbeat_interval=1.0, max_message_bytes=1 << 20)  # fmt: skip
+        try:
+            msg, frames = put_rows("p", 1)
+            with pytest.raises(tqstream.InvalidRequestError) as err:
+                await conn.request(msg, frames, timeout=10)
+            assert str(err.value) == (
+                "this storage unit is not registered with a controller, so it cannot take puts "
+                "directly; start it with a controller address"
+            )
+        finally:
+            conn.close()
+            await unit.close()
+            serving.cancel()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())

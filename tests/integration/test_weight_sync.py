@@ -142,3 +142,52 @@ def test_weights_through_disk(tmp_path: Path) -> None:
     tied["b"] = tied["a"]  # shared memory, as tied embeddings are
     version, got = load_weights(save_weights(tmp_path / "tied.safetensors", tied, 1))
     assert torch.equal(got["a"], got["b"])
+
+
+def test_a_receiver_that_missed_the_metadata_loads_nothing() -> None:
+    group = TorchCollective(0, 2, timeout=30.0)
+    fresh = spawn(group.port, 1, 2, 2, "--fresh")
+    sender = WeightSender(group, bucket_bytes=2048)
+    for v in (1, 2):
+        sender.send(weights(v), version=v)  # the second one without the header
+    assert lines(fresh) == [
+        {"version": 1, "ok": True},
+        {
+            "error": "WeightMismatchError",
+            "message": "rank 1 received version 2's weights without their metadata (it joined "
+            "after the first sync, or missed one): every receiver must take part in every sync "
+            "from the first; restart the group",
+        },
+    ]
+
+
+def test_ranks_out_of_step_are_told_so() -> None:
+    group = TorchCollective(0, 2, timeout=30.0)
+    worker = spawn(group.port, 1, 2, 1)
+    group.broadcast(torch.arange(6, dtype=torch.int64))  # not a control record
+    assert lines(worker) == [
+        {
+            "error": "WeightSyncError",
+            "message": "rank 1 received 0x0 where a weight-sync control record starts; the "
+            "group's ranks are out of step (a rank called something other than send/receive "
+            "on this group)",
+        }
+    ]
+
+
+def test_backend_and_bucket_arguments_are_checked() -> None:
+    with pytest.raises(WeightSyncError, match="unknown backend 'mpi'; use 'gloo' or 'nccl'"):
+        TorchCollective(0, 1, backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(WeightSyncError, match="the nccl backend needs a CUDA device"):
+            TorchCollective(0, 1, backend="nccl")
+    with pytest.raises(WeightSyncError, match="bucket_bytes must be positive, got 0"):
+        WeightSender(TorchCollective(0, 1), bucket_bytes=0)
+
+
+def test_a_file_that_is_not_tqstreams_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(WeightMismatchError, match="is not a tqstream weights file"):
+        load_weights(tmp_path / "other.safetensors")

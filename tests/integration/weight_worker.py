@@ -1,11 +1,12 @@
 """A rollout worker's side of a weight sync, as its own process (see test_weight_sync.py).
 
-    python weight_worker.py PORT RANK WORLD SYNCS [--expect-other] [--idle]
+    python weight_worker.py PORT RANK WORLD SYNCS [--expect-other] [--idle] [--fresh]
 
 Joins the group, receives SYNCS syncs and checks each against the weights the trainer makes for
 that version (the same seeded tensors), printing one JSON line per sync: {"version": v, "ok": bool}
 or {"error": class name, "message": ...}. ``--expect-other`` expects a model with one layer of
-another shape; ``--idle`` joins and then never receives.
+another shape; ``--idle`` joins and then never receives; ``--fresh`` receives each sync with a new
+receiver (one that never saw the metadata).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main() -> None:
         return
     receiver = WeightReceiver(group, WeightMeta.of(weights(0, other)))
     for _ in range(syncs):
+        if "--fresh" in sys.argv and receiver._meta is not None:
+            receiver = WeightReceiver(group, receiver.expected)
         try:
             version, got = receiver.receive()
         except TQStreamError as exc:

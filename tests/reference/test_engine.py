@@ -89,6 +89,8 @@ def test_bad_arguments() -> None:
     model = tiny_model(VOCAB, seed=1)
     with pytest.raises(ValueError, match="update_mode must be 'keep' or 'abort'"):
         TorchEngine(model, eos_id=1, pad_id=0, update_mode="wait")
+    with pytest.raises(ValueError, match="temperature must be positive, got 0"):
+        TorchEngine(model, eos_id=1, pad_id=0, temperature=0)
     engine = TorchEngine(model, eos_id=1, pad_id=0)
     with pytest.raises(ValueError, match="every prompt needs at least one token"):
         engine.generate([[1], []], 4)

@@ -25,3 +25,8 @@ def test_a_few_steps_end_to_end(update_mode: str) -> None:
     assert summary.trained == 4 * 2 * 4
     assert summary.left >= 0
     assert summary.produced == summary.trained + summary.dropped + summary.left
+
+
+def test_a_run_needs_workers_and_steps() -> None:
+    with pytest.raises(ValueError, match="a run needs at least one worker and one step"):
+        run(PipelineConfig(workers=0))

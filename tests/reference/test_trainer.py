@@ -51,3 +51,12 @@ def test_mismatched_inputs_are_refused() -> None:
         trainer.step(one, one, [torch.tensor([0.0])], one, torch.tensor([1.0]), ["g"])
     with pytest.raises(ValueError, match="proximal must be 'recompute' or 'loglinear'"):
         PPOTrainer(tiny_model(VOCAB, seed=1), pad_id=0, proximal="exact")
+
+
+def test_a_loss_that_is_not_finite_stops_the_step() -> None:
+    trainer = PPOTrainer(tiny_model(VOCAB, seed=1), pad_id=0)
+    one = [torch.tensor([1, 2])]
+    with pytest.raises(FloatingPointError, match="the loss is nan at version 0"):
+        trainer.step(one, one, [torch.tensor([-1.0, -1.0])], [torch.tensor([0, 0])],
+                     torch.tensor([float("nan")]), ["g"])  # fmt: skip
+    assert trainer.version == 0

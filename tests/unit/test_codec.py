@@ -23,6 +23,7 @@ from tqstream.protocol.codec import (
     column_from_wire,
     column_to_wire,
     columns_from_data,
+    columns_to_wire,
     decode_objects,
     dtype_name,
     to_tensordict,
@@ -681,3 +682,23 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert "is_fx_tracing" not in out.stderr, out.stderr
+
+
+def test_packed_columns_round_trip_and_out_of_frame_refs_are_refused() -> None:
+    _, cols = columns_from_data({"ids": [torch.arange(5)], "r": torch.tensor([1.5])})
+    refs, frames = columns_to_wire(cols, packed=True)
+    assert len(frames) == 1 and all(r.values.frame == 1 for r in refs)
+    assert all(r.values.offset % 16 == 0 for r in refs)
+    wire = [b"header", bytes(frames[0])]
+    back = {r.name: column_from_wire(r, wire) for r in refs}
+    assert torch.equal(back["ids"].values, torch.arange(5))
+    assert torch.equal(back["r"].values, torch.tensor([1.5]))
+    size = len(frames[0])
+    bad = msgspec.structs.replace(refs[1], values=msgspec.structs.replace(
+        refs[1].values, offset=size))  # fmt: skip
+    with pytest.raises(MalformedMessageError) as err:
+        column_from_wire(bad, wire)
+    assert str(err.value) == (
+        f"column 'r': values at offset {size} of frame 1 need 4 bytes (float32[1]), "
+        f"the frame has {size}"
+    )

@@ -58,14 +58,14 @@ def test_stream_round_trip_through_the_plan(
     for i, at in enumerate(meta.offsets):
         assert set(range(at, at + meta.nbytes(i))) <= covered
     received = torch.zeros(meta.total, dtype=torch.uint8)
-    scratch = torch.zeros(meta.total, dtype=torch.uint8)
     for a, b, i in ranges:  # what the sender broadcasts, into the receiver's stream
         if i >= 0:
             t = weights[meta.names[i]]
             received[a:b] = t.reshape(-1).view(torch.uint8)
         else:
-            pack(meta, weights, scratch, a, b)
-            received[a:b] = scratch[a:b]
+            bucket = torch.zeros(b - a, dtype=torch.uint8)
+            pack(meta, weights, bucket, a, b)
+            received[a:b] = bucket
     got = unpack(meta, received)
     assert list(got) == list(weights)
     for name, t in weights.items():
@@ -100,3 +100,8 @@ def test_bad_metadata_is_refused() -> None:
         WeightMeta(("a", "a"), ("float32", "float32"), ((1,), (2,)))
     with pytest.raises(WeightMismatchError, match="cannot be synced"):
         WeightMeta.of({"x": torch.zeros(2, dtype=torch.uint16)})
+
+
+def test_a_plan_needs_a_positive_bucket_size() -> None:
+    with pytest.raises(ValueError, match="bucket_bytes must be positive, got 0"):
+        plan(WeightMeta.of({"a": torch.zeros(2)}), 0)
