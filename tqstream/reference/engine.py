@@ -1,10 +1,12 @@
-"""A rollout engine in plain torch over a Hugging Face causal LM: batched sampling that tags every
-generated token with the policy version that sampled it, and takes new weights between two
-decoding steps.
+"""Rollout engines: the contract (:class:`RolloutEngine`) and an engine in plain torch over a
+Hugging Face causal LM (:class:`TorchEngine`: batched sampling that tags every generated token with
+the policy version that sampled it, and takes new weights between two decoding steps). The vLLM
+engine (``vllm_engine.VLLMEngine``) keeps the same contract.
 
-The engine's contract, shared with the vLLM engine: ``generate`` token ids → tokens, behaviour
-logprobs (of the distribution actually sampled: temperature applied, no top-k/top-p filters) and
-per-token versions; ``pause``/``resume``; ``load_weights(weights, version)``; ``version``. A weight
+The contract: ``generate`` token ids → tokens, behaviour logprobs (of the distribution actually
+sampled: temperature applied, no top-k/top-p filters) and per-token versions; ``pause``/``resume``;
+``connect_weights`` (become a member of the trainer's :class:`~.weightsync.WeightHub`) and
+``sync_weights(version)`` (take part in the announced sync and load it); ``version``. A weight
 update during a generation is handled in one of two modes, as vLLM's ``pause_generation`` does:
 
 - ``"keep"``: the requests stay where they are and continue under the new weights (their KV cache
@@ -19,6 +21,7 @@ called from another (a weight-sync thread), and take effect at the next step bou
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
@@ -26,7 +29,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Completion", "TorchEngine"]
+from tqstream.errors import WeightSyncError
+
+__all__ = ["Completion", "RolloutEngine", "TorchEngine"]
 
 
 @dataclasses.dataclass
@@ -37,7 +42,72 @@ class Completion:
     finish_reason: str  # "stop" (eos), "length" (max_new_tokens) or "abort" (a weight update)
 
 
-class TorchEngine:
+class RolloutEngine(abc.ABC):
+    """What the rollout worker needs of an engine (see the module's docstring)."""
+
+    version: int
+    update_mode: str
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Completion]:
+        """Sample a completion for each prompt (token ids)."""
+
+    @abc.abstractmethod
+    def pause(self) -> None: ...
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    def connect_weights(self, host: str, port: int, member: int, *, backend: str = "gloo",
+                        timeout: float = 300.0) -> None:  # fmt: skip
+        """Receive weights as ``member`` of the :class:`~.weightsync.WeightHub` at host:port."""
+
+    @abc.abstractmethod
+    def sync_weights(self, version: int) -> None:
+        """Take part in the hub's announced sync of ``version`` and load it (``update_mode``
+        decides what becomes of generations in flight)."""
+
+    def close(self) -> None:
+        """Release the engine (idempotent)."""
+
+    def rollout(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Completion]:
+        """:meth:`generate`, or in ``"abort"`` mode :meth:`generate_resumed`: a completion each,
+        whatever weight updates happen meanwhile."""
+        if self.update_mode == "abort":
+            return self.generate_resumed(prompts, max_new_tokens)
+        return self.generate(prompts, max_new_tokens)
+
+    def generate_resumed(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    ) -> list[Completion]:
+        """``generate``, submitting aborted requests again with their partial output appended to
+        the prompt until each stops or reaches ``max_new_tokens`` in all."""
+        done: list[Completion | None] = [None] * len(prompts)
+        parts = [Completion([], [], [], "") for _ in prompts]
+        todo = list(range(len(prompts)))
+        while todo:
+            batch = [list(prompts[i]) + parts[i].tokens for i in todo]
+            outs = self.generate(batch, max_new_tokens - min(len(parts[i].tokens) for i in todo))
+            left = []
+            for i, out in zip(todo, outs, strict=True):
+                p = parts[i]
+                room = max_new_tokens - len(p.tokens)
+                p.tokens += out.tokens[:room]
+                p.logprobs += out.logprobs[:room]
+                p.versions += out.versions[:room]
+                if out.finish_reason == "abort" and len(p.tokens) < max_new_tokens:
+                    left.append(i)
+                else:
+                    reason = out.finish_reason
+                    if len(p.tokens) >= max_new_tokens and reason != "stop":
+                        reason = "length"
+                    done[i] = Completion(p.tokens, p.logprobs, p.versions, reason)
+            todo = left
+        return [d for d in done if d is not None]
+
+
+class TorchEngine(RolloutEngine):
     def __init__(
         self,
         model: Any,
@@ -62,6 +132,7 @@ class TorchEngine:
         self._paused = False
         self._pending: tuple[Mapping[str, torch.Tensor], int] | None = None
         self._busy = False  # a generate is running: weights change only at its step boundaries
+        self._receiver: Any = None
 
     # --- control (any thread) ---
     def pause(self) -> None:
@@ -92,6 +163,31 @@ class TorchEngine:
         self.version = version
         return True
 
+    def connect_weights(self, host: str, port: int, member: int, *, backend: str = "gloo",
+                        timeout: float = 300.0) -> None:  # fmt: skip
+        from tqstream.reference.weightsync import WeightMeta, member_receiver
+
+        expected = WeightMeta.of(self.model.state_dict())
+        self._receiver = member_receiver(host, port, member, backend=backend, timeout=timeout,
+                                         expected=expected)  # fmt: skip
+
+    def sync_weights(self, version: int) -> None:
+        if self._receiver is None:
+            raise WeightSyncError("sync_weights before connect_weights: connect to the hub first")
+        got, weights = self._receiver.receive()
+        if got != version:
+            raise WeightSyncError(
+                f"the trainer sent version {got} where {version} was announced; the rollout "
+                "worker and the trainer are out of step"
+            )
+        # the receiver's buffer is reused by the next sync: the engine takes copies
+        self.load_weights({k: t.clone() for k, t in weights.items()}, got)
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.collective.close()
+            self._receiver = None
+
     def _boundary(self) -> bool:
         """Between two steps: wait while paused, take new weights. True if the weights changed."""
         with self._cond:
@@ -114,34 +210,6 @@ class TorchEngine:
             with self._cond:
                 self._busy = False
                 self._swap()
-
-    def generate_resumed(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int
-    ) -> list[Completion]:
-        """``generate``, submitting aborted requests again with their partial output appended to
-        the prompt until each stops or reaches ``max_new_tokens`` in all."""
-        done: list[Completion | None] = [None] * len(prompts)
-        parts = [Completion([], [], [], "") for _ in prompts]
-        todo = list(range(len(prompts)))
-        while todo:
-            batch = [list(prompts[i]) + parts[i].tokens for i in todo]
-            outs = self.generate(batch, max_new_tokens - min(len(parts[i].tokens) for i in todo))
-            left = []
-            for i, out in zip(todo, outs, strict=True):
-                p = parts[i]
-                room = max_new_tokens - len(p.tokens)
-                p.tokens += out.tokens[:room]
-                p.logprobs += out.logprobs[:room]
-                p.versions += out.versions[:room]
-                if out.finish_reason == "abort" and len(p.tokens) < max_new_tokens:
-                    left.append(i)
-                else:
-                    reason = out.finish_reason
-                    if len(p.tokens) >= max_new_tokens and reason != "stop":
-                        reason = "length"
-                    done[i] = Completion(p.tokens, p.logprobs, p.versions, reason)
-            todo = left
-        return [d for d in done if d is not None]
 
     def _generate(self, prompts: Sequence[Sequence[int]], max_new: int) -> list[Completion]:
         n = len(prompts)

@@ -2,6 +2,7 @@
 (gloo on CPU, NCCL on GPUs), or a safetensors file."""
 
 from tqstream.reference.weightsync.collective import Collective, TorchCollective
+from tqstream.reference.weightsync.hub import WeightHub, WeightSubscription, member_receiver
 from tqstream.reference.weightsync.layout import WeightMeta
 from tqstream.reference.weightsync.sync import (
     SyncStats,
@@ -15,9 +16,12 @@ __all__ = [
     "Collective",
     "SyncStats",
     "TorchCollective",
+    "WeightHub",
     "WeightMeta",
     "WeightReceiver",
     "WeightSender",
+    "WeightSubscription",
     "load_weights",
+    "member_receiver",
     "save_weights",
 ]

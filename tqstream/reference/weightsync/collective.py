@@ -19,10 +19,23 @@ import torch.distributed as dist
 
 from tqstream.errors import WeightSyncError, WeightSyncTimeoutError
 
-__all__ = ["Collective", "TorchCollective"]
+__all__ = ["Collective", "TorchCollective", "connect_store"]
 
 _PEER_GONE = ("timeout", "timed out", "connection closed", "reset by peer")
 """What the backends' errors say when a peer did not take part (lower case)."""
+
+
+def connect_store(host: str, port: int, timeout: float, host_it: bool = False) -> Any:
+    """A ``TCPStore`` at ``host:port``: hosted here (``host_it``; ``port`` 0 takes a free one) or
+    reached as a client."""
+    try:
+        return dist.TCPStore(host, port, None, host_it,
+                             timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)  # fmt: skip
+    except (RuntimeError, TimeoutError) as exc:
+        raise WeightSyncTimeoutError(
+            f"could not reach the weight-sync rendezvous at {host}:{port} within {timeout}s: "
+            f"{str(exc).splitlines()[0]}; is the trainer up, and is the address right?"
+        ) from exc
 
 
 class Collective(Protocol):
@@ -49,7 +62,8 @@ class TorchCollective:
     same ``host``/``port``; rank 0 listens there (``port=0``: any free port, read it from
     ``port`` and hand it to the others). The group assembles at the first broadcast; a broadcast
     (or the assembly) that some rank does not join within ``timeout`` seconds raises
-    :class:`WeightSyncTimeoutError`.
+    :class:`WeightSyncTimeoutError`. ``store``: rendezvous in this store (a ``PrefixStore`` of one
+    that several groups share) instead of one at ``host``/``port``.
     """
 
     def __init__(
@@ -62,10 +76,11 @@ class TorchCollective:
         backend: str = "gloo",
         device: torch.device | str | None = None,
         timeout: float = 300.0,
+        store: Any = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise WeightSyncError(f"rank {rank} is not in a group of {world_size}", rank=rank)
-        if rank and not port:
+        if rank and not port and store is None:
             raise WeightSyncError("ranks other than 0 need the port rank 0 listens on", rank=rank)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timeout
@@ -81,17 +96,10 @@ class TorchCollective:
             self.device = torch.device(device or f"cuda:{torch.cuda.current_device()}")
         else:
             raise WeightSyncError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
-        try:
-            self.store = dist.TCPStore(
-                host, port, world_size, rank == 0, timeout=self._delta, wait_for_workers=False
-            )
-        except (RuntimeError, TimeoutError) as exc:
-            raise WeightSyncTimeoutError(
-                f"rank {rank} could not reach the weight-sync group at {host}:{port} within "
-                f"{timeout}s: {exc}; is rank 0 (the trainer) up, and is the address right?",
-                rank=rank,
-            ) from exc
-        self.port: int = self.store.port
+        if store is None:
+            store = connect_store(host, port, timeout, host_it=rank == 0)
+        self.store = store
+        self.port: int = getattr(store, "port", port)
         self.group: Any = None  # made by the first broadcast: every rank must be there by then
 
     def join(self) -> Any:
@@ -138,12 +146,20 @@ class TorchCollective:
         return wait
 
     def _error(self, exc: RuntimeError) -> WeightSyncError:
-        text = str(exc)
-        if any(w in text.lower() for w in _PEER_GONE):
+        text = str(exc).splitlines()[0].split(" This is typically")[0]
+        lower = text.lower()
+        if "reset by peer" in lower or "connection closed" in lower:
+            return WeightSyncTimeoutError(
+                f"a weight-sync broadcast failed on rank {self.rank} of {self.world_size}: a peer "
+                f"went away mid-sync (its process died or closed the group); {text}",
+                rank=self.rank,
+                timeout=self.timeout,
+            )
+        if any(w in lower for w in _PEER_GONE):
             return WeightSyncTimeoutError(
                 f"a weight-sync broadcast did not complete within {self.timeout}s on rank "
                 f"{self.rank} of {self.world_size}: a peer did not take part (it died, or never "
-                f"called receive); {text.splitlines()[0]}",
+                f"called receive); {text}",
                 rank=self.rank,
                 timeout=self.timeout,
             )

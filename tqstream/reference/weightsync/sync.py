@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -45,10 +45,69 @@ class SyncStats:
     broadcasts: int  # ranges of the stream: large tensors one each, small ones packed
     header_bytes: int  # 0 when the metadata was unchanged
     seconds: float
+    receivers: int = 0  # that took the sync (a hub's members; every other rank of a fixed group)
+    lost: tuple[int, ...] = ()  # a hub's members dropped in this sync (they failed it)
+
+
+class _Packer:
+    """The sender's stream for the weights' current metadata: their plan, and the buffers of the
+    packed ranges (kept between syncs while the metadata is unchanged)."""
+
+    def __init__(self, bucket_bytes: int, direct_bytes: int, device: torch.device) -> None:
+        if bucket_bytes <= 0:
+            raise WeightSyncError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.bucket_bytes, self.direct_bytes, self.device = bucket_bytes, direct_bytes, device
+        self.meta: WeightMeta | None = None
+        self.plan: list[tuple[int, int, int]] = []
+        self._buckets: dict[int, torch.Tensor] = {}  # packed range start -> its buffer
+
+    def update(self, weights: Mapping[str, torch.Tensor]) -> WeightMeta:
+        meta = WeightMeta.of(weights)
+        if meta != self.meta:
+            self.meta, self.plan = meta, plan(meta, self.bucket_bytes, self.direct_bytes)
+            self._buckets = {  # packed ranges only: large tensors go from their own memory
+                start: torch.empty(stop - start, dtype=torch.uint8, device=self.device)
+                for start, stop, i in self.plan
+                if i < 0
+            }
+        return meta
+
+    def parts(self, weights: Mapping[str, torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Each range's bytes, in order; a packed range is filled when it is asked for (while the
+        earlier ones travel)."""
+        meta, device = self.meta, self.device
+        assert meta is not None
+        for start, stop, i in self.plan:
+            if i >= 0:  # one large tensor: its own memory, no copy
+                t = weights[meta.names[i]].detach()
+                t = t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
+                yield t.reshape(-1).view(torch.uint8)
+            else:
+                part = self._buckets[start]
+                pack(meta, weights, part, start, stop)
+                yield part
+
+    def start_head(
+        self, c: Collective, version: int, header: bytes
+    ) -> tuple[list[Callable[[], None]], list[torch.Tensor]]:
+        """Start the control record, the range table and (when given) the header on ``c``; the
+        waits, and the tensors that must live until they return."""
+        meta, device = self.meta, self.device
+        assert meta is not None
+        ranges = self.plan
+        control = [MAGIC, version, meta.fingerprint, len(header), meta.total, len(ranges)]
+        held = [torch.tensor(control, dtype=torch.int64, device=device)]
+        if ranges:
+            table = [x for start, stop, _ in ranges for x in (start, stop)]
+            held.append(torch.tensor(table, dtype=torch.int64, device=device))
+        if header:
+            held.append(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
+        return [c.start_broadcast(t) for t in held], held
 
 
 class WeightSender:
-    """Rank 0's side. ``send`` blocks until every receiver took every range.
+    """Rank 0's side of one group: ``send`` broadcasts to every other rank and blocks until each
+    took every range (see :class:`~.hub.WeightHub` for receivers that come and go).
 
     Tensors of ``direct_bytes`` or more are broadcast from their own memory (when contiguous and on
     the collective's device); smaller ones are packed into buckets of up to ``bucket_bytes``,
@@ -62,49 +121,22 @@ class WeightSender:
     ) -> None:
         if collective.rank != 0:
             raise WeightSyncError(f"the sender is rank 0 of the group, not {collective.rank}")
-        if bucket_bytes <= 0:
-            raise WeightSyncError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.collective = collective
-        self.bucket_bytes = bucket_bytes
-        self.direct_bytes = direct_bytes
-        self._meta: WeightMeta | None = None
-        self._plan: list[tuple[int, int, int]] = []
-        self._buckets: dict[int, torch.Tensor] = {}  # packed range start -> its buffer
+        self._packer = _Packer(bucket_bytes, direct_bytes, collective.device)
 
     def send(self, weights: Mapping[str, torch.Tensor], version: int) -> SyncStats:
         t0 = time.perf_counter()
-        c, device = self.collective, self.collective.device
-        meta = WeightMeta.of(weights)
-        header = b""
-        if meta != self._meta:
-            header = meta.encode()
-            self._meta, self._plan = meta, plan(meta, self.bucket_bytes, self.direct_bytes)
-            self._buckets = {  # packed ranges only: large tensors go from their own memory
-                start: torch.empty(stop - start, dtype=torch.uint8, device=device)
-                for start, stop, i in self._plan
-                if i < 0
-            }
-        ranges = self._plan
-        control = [MAGIC, version, meta.fingerprint, len(header), meta.total, len(ranges)]
-        c.broadcast(torch.tensor(control, dtype=torch.int64, device=device))
-        table = [x for start, stop, _ in ranges for x in (start, stop)]
-        if table:
-            c.broadcast(torch.tensor(table, dtype=torch.int64, device=device))
-        if header:
-            c.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device))
-        waits = []  # every range in flight at once: the group runs them in order, back to back
-        for start, stop, i in ranges:
-            if i >= 0:  # one large tensor: its own memory, no copy
-                t = weights[meta.names[i]].detach()
-                t = t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
-                part = t.reshape(-1).view(torch.uint8)
-            else:
-                part = self._buckets[start]
-                pack(meta, weights, part, start, stop)  # while the earlier ranges travel
-            waits.append(c.start_broadcast(part))
+        old = self._packer.meta
+        meta = self._packer.update(weights)
+        header = meta.encode() if meta != old else b""
+        waits, held = self._packer.start_head(self.collective, version, header)
+        for part in self._packer.parts(weights):  # every range in flight at once, in order
+            waits.append(self.collective.start_broadcast(part))
+            held.append(part)
         for wait in waits:
             wait()
-        return SyncStats(version, meta.total, len(ranges), len(header), time.perf_counter() - t0)
+        return SyncStats(version, meta.total, len(self._packer.plan), len(header),
+                         time.perf_counter() - t0, self.collective.world_size - 1)  # fmt: skip
 
 
 class WeightReceiver:
