@@ -19,8 +19,10 @@ import torch
 from tqstream.errors import WeightMismatchError, WeightSyncError, WeightSyncTimeoutError
 from tqstream.reference.weightsync import (
     TorchCollective,
+    WeightHub,
     WeightMeta,
     WeightSender,
+    WeightSubscription,
     load_weights,
     save_weights,
 )
@@ -191,3 +193,84 @@ def test_a_file_that_is_not_tqstreams_is_refused(tmp_path: Path) -> None:
     save_file({"w": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(WeightMismatchError, match="is not a tqstream weights file"):
         load_weights(tmp_path / "other.safetensors")
+
+
+# --- a hub: receivers that come and go ---
+
+
+def hub_member(port: int, syncs: int, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(port), "hub", "-", str(syncs), *flags],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def registered(proc: subprocess.Popen[str]) -> int:
+    assert proc.stdout is not None
+    return int(json.loads(proc.stdout.readline())["member"])
+
+
+def test_a_hub_reaches_members_that_join_late_and_drops_one_that_died() -> None:
+    hub = WeightHub(timeout=20.0, bucket_bytes=2048)
+    first = [hub_member(hub.port, 4) for _ in range(2)]
+    ids = [registered(p) for p in first]
+    assert sorted(ids) == [0, 1]
+    hub.wait_members(2)
+    s1 = hub.send(weights(1), 1)
+    assert (s1.receivers, s1.lost, s1.header_bytes > 0) == (2, (), True)
+    late = hub_member(hub.port, 2)
+    assert registered(late) == 2
+    s2 = hub.send(weights(2), 2)  # the header again, for the new member only
+    assert (s2.receivers, s2.lost, s2.header_bytes > 0) == (3, (), True)
+    os.kill(first[0].pid, signal.SIGKILL)
+    first[0].wait()
+    t0 = time.monotonic()
+    s3 = hub.send(weights(3), 3)
+    assert time.monotonic() - t0 < 10  # a reset connection, not a timeout
+    assert (s3.receivers, s3.lost, s3.header_bytes) == (2, (ids[0],), 0)
+    assert hub.members == [ids[1], 2]
+    assert hub.lost[ids[0]].startswith(
+        f"member {ids[0]}: a weight-sync broadcast failed on rank 0 of 2: a peer went away mid-sync"
+    )
+    s4 = hub.send(weights(4), 4)
+    assert (s4.receivers, s4.lost) == (1, (2,))  # the late one took its 2 syncs and left
+    assert lines(first[1]) == [{"version": v, "ok": True} for v in (1, 2, 3, 4)]
+    assert lines(late) == [{"version": v, "ok": True} for v in (2, 3)]
+    hub.close()
+
+
+def test_a_member_expecting_other_weights_fails_alone() -> None:
+    hub = WeightHub(timeout=20.0)
+    good, other = hub_member(hub.port, 1), hub_member(hub.port, 1, "--expect-other")
+    registered(good), registered(other)
+    hub.wait_members(2)
+    stats = hub.send(weights(1), 1)
+    assert (stats.receivers, stats.lost) == (2, ())  # it took part, then refused to load
+    assert lines(good) == [{"version": 1, "ok": True}]
+    [line] = lines(other)
+    assert line["error"] == "WeightMismatchError"
+    assert "layers.0.mlp.bias: float32[47] vs float32[48]" in line["message"]
+    hub.close()
+
+
+def test_a_subscription_stops_on_request_and_tells_when_the_hub_is_gone() -> None:
+    import threading
+
+    hub = WeightHub(timeout=5.0)
+    sub = WeightSubscription("127.0.0.1", hub.port, timeout=5.0)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    assert sub.next(stop) is None
+    assert hub.registered == 1 and hub.members == [0]
+    with pytest.raises(WeightSyncError) as info:
+        hub.wait_members(2, timeout=0.2)
+    where = f"127.0.0.1:{hub.port}"
+    assert str(info.value) == f"1 of 2 weight receivers registered at {where} within 0.2s"
+    hub.close()
+    del hub
+    import gc
+
+    gc.collect()
+    with pytest.raises(WeightSyncError, match=r"the weight hub at 127\.0\.0\.1:\d+ is gone"):
+        sub.next()

@@ -5,12 +5,16 @@ accounted for."""
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import signal
+import time
 
 import pytest
 
 pytest.importorskip("transformers", reason="the reference pipeline needs transformers")
 
-from tqstream.reference.pipeline import PipelineConfig, StepStats, run
+from tqstream.reference.pipeline import PipelineConfig, PipelineError, StepStats, run
 
 
 @pytest.mark.parametrize("update_mode", ["keep", "abort"])
@@ -25,8 +29,70 @@ def test_a_few_steps_end_to_end(update_mode: str) -> None:
     assert summary.trained == 4 * 2 * 4
     assert summary.left >= 0
     assert summary.produced == summary.trained + summary.dropped + summary.left
+    assert summary.restarts == 0 and all(s.workers == 2 for s in seen)
 
 
-def test_a_run_needs_workers_and_steps() -> None:
-    with pytest.raises(ValueError, match="a run needs at least one worker and one step"):
-        run(PipelineConfig(workers=0))
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"workers": 0}, "a run needs at least one worker, step, group and sample per group"),
+        ({"max_staleness": -1}, "max_staleness must be 0 or more, got -1"),
+        ({"sync_interval": 0}, "sync_interval must be 1 or more, got 0"),
+        (
+            {"max_staleness": 1, "sync_interval": 3},
+            "max_staleness=1 with sync_interval=3 would deadlock: the trainer goes 2 versions past "
+            "the weights the rollouts use before it pushes new ones, so every trajectory would be "
+            "stale and no batch would come; use max_staleness >= 2 or a shorter sync_interval",
+        ),
+        ({"engine": "jax"}, "unknown engine 'jax'; use 'torch' or 'vllm'"),
+        ({"update_mode": "wait"}, "update_mode must be 'keep' or 'abort', got 'wait'"),
+        ({"max_restarts": -1}, "max_restarts must be 0 or more, got -1"),
+    ],
+)
+def test_configurations_that_cannot_run_are_refused_before_anything_starts(
+    fields: dict, message: str
+) -> None:
+    with pytest.raises(PipelineError) as info:
+        run(PipelineConfig(**fields))
+    assert str(info.value) == message
+
+
+def _rollout_workers() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("tqstream-rollout-")]
+
+
+def test_a_rollout_worker_killed_mid_generation_is_replaced_and_the_trainer_goes_on() -> None:
+    killed: list[int] = []
+
+    def on_step(s: StepStats) -> None:
+        if s.step == 1:  # workers generate all the time: this lands mid-generation
+            victim = _rollout_workers()[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(victim.pid)
+        elif s.step > 1 and s.workers < 2:
+            time.sleep(0.5)  # give the replacement time to start and join the weight hub
+
+    config = PipelineConfig(steps=24, workers=2, batch_groups=2, group_size=4, max_staleness=1,
+                            max_restarts=1, timeout=90.0)  # fmt: skip
+    summary = run(config, on_step=on_step)
+    assert len(killed) == 1 and summary.restarts == 1
+    assert [s.version for s in summary.history] == list(range(1, 25))
+    assert summary.history[2].workers == 1  # the next sync dropped the dead one
+    assert summary.history[-1].workers == 2  # the replacement joined the weight hub
+    assert summary.max_lag <= config.max_staleness
+    # the dead worker's slots came back: the admission let the others go on for 6 more steps,
+    # and every row is accounted for (its group in flight was never put: all or nothing)
+    assert summary.produced == summary.trained + summary.dropped + summary.left
+
+
+def test_more_deaths_than_max_restarts_fail_the_run() -> None:
+    def on_step(s: StepStats) -> None:
+        if s.step == 0:
+            for p in _rollout_workers():
+                os.kill(p.pid, signal.SIGKILL)
+
+    config = PipelineConfig(steps=50, workers=1, batch_groups=1, group_size=2, max_staleness=1,
+                            max_restarts=0, timeout=30.0)  # fmt: skip
+    with pytest.raises(PipelineError, match=r"rollout worker 0 exited with code -9, and 0 were "
+                       r"already replaced \(max_restarts\)"):  # fmt: skip
+        run(config, on_step=on_step)

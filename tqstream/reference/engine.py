@@ -68,6 +68,7 @@ class RolloutEngine(abc.ABC):
         """Take part in the hub's announced sync of ``version`` and load it (``update_mode``
         decides what becomes of generations in flight)."""
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release the engine (idempotent)."""
 

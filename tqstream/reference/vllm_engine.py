@@ -29,7 +29,7 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from tqstream.errors import WeightSyncError
+from tqstream.errors import WeightMismatchError, WeightSyncError
 from tqstream.reference.engine import Completion, RolloutEngine
 
 __all__ = ["VLLMEngine", "versions_of"]
@@ -53,9 +53,9 @@ def versions_of(spans: Sequence[Any] | None, n: int, default: int) -> list[int]:
 
 
 class VLLMEngine(RolloutEngine):
-    """``model``: a Hugging Face model directory (``config.json`` + safetensors). ``engine_args``
-    go to vLLM's ``AsyncEngineArgs`` (``enforce_eager``, ``max_model_len``, ``gpu_memory_utilization``
-    …)."""
+    """``model``: a Hugging Face model directory (``config.json`` + safetensors).
+    ``engine_args`` go to vLLM's ``AsyncEngineArgs`` (``enforce_eager`` — on by default —,
+    ``max_model_len``, ``gpu_memory_utilization`` …)."""
 
     def __init__(
         self,
@@ -166,19 +166,18 @@ class VLLMEngine(RolloutEngine):
         self._run(self.llm.pause_generation(mode=self.update_mode, clear_cache=not keep))
         try:
             self._run(self.llm.start_weight_update())
-            loaded = False
-            try:
-                request = WeightTransferUpdateRequest(update_info={"version": version})
-                self._run(self.llm.update_weights(request))
-                loaded = True
-            finally:  # a failed sync loaded nothing: finishing puts the old weights back
-                self._run(self.llm.finish_weight_update(
-                    weight_version=str(version) if loaded else None))  # fmt: skip
+            # a failure ends the session in the worker, the old weights back (vllm_backend.py)
+            request = WeightTransferUpdateRequest(update_info={"version": version})
+            self._run(self.llm.update_weights(request))
+            self._run(self.llm.finish_weight_update(weight_version=str(version)))
             self.version = version
         except WeightSyncError:
             raise
         except Exception as exc:  # vLLM re-raises the worker's error as its own
-            raise WeightSyncError(f"the vLLM engine failed to take version {version}: {exc}") from exc
+            kind = (
+                WeightMismatchError if "differ from this model's" in str(exc) else WeightSyncError
+            )
+            raise kind(f"the vLLM engine did not take version {version}: {exc}") from exc
         finally:
             self._run(self.llm.resume_generation())
 

@@ -29,8 +29,8 @@ def connect_store(host: str, port: int, timeout: float, host_it: bool = False) -
     """A ``TCPStore`` at ``host:port``: hosted here (``host_it``; ``port`` 0 takes a free one) or
     reached as a client."""
     try:
-        return dist.TCPStore(host, port, None, host_it,
-                             timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)  # fmt: skip
+        delta = datetime.timedelta(seconds=timeout)
+        return dist.TCPStore(host, port, None, host_it, timeout=delta, wait_for_workers=False)
     except (RuntimeError, TimeoutError) as exc:
         raise WeightSyncTimeoutError(
             f"could not reach the weight-sync rendezvous at {host}:{port} within {timeout}s: "
