@@ -2,8 +2,9 @@
 
     python -m benchmarks._weightsync_worker PORT MODE NBYTES ROUNDS
 
-MODE ``tqstream``: ROUNDS receives through ``WeightReceiver``; ``raw``: ROUNDS plain broadcasts of
-one NBYTES uint8 tensor on the same backend (the limit). Prints ``done`` at the end.
+MODE ``tqstream``: ROUNDS receives through ``WeightReceiver``; ``hub``: ROUNDS announced syncs of a
+``WeightHub`` member; ``raw``: ROUNDS plain broadcasts of one NBYTES uint8 tensor on the same
+backend (the limit). Prints ``done`` at the end.
 """
 
 from __future__ import annotations
@@ -12,12 +13,25 @@ import sys
 
 import torch
 
-from tqstream.reference.weightsync import TorchCollective, WeightReceiver
+from tqstream.reference.weightsync import (
+    TorchCollective,
+    WeightReceiver,
+    WeightSubscription,
+    member_receiver,
+)
 
 
 def main() -> None:
     port, mode, nbytes, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
+    if mode == "hub":
+        sub = WeightSubscription("127.0.0.1", port, timeout=600.0)
+        member = member_receiver("127.0.0.1", port, sub.member, timeout=600.0)
+        for _ in range(rounds):
+            sub.next()
+            member.receive()
+        print("done", flush=True)
+        return
     group = TorchCollective(1, 2, port=port, timeout=600.0)
     if mode == "tqstream":
         receiver = WeightReceiver(group)

@@ -33,6 +33,7 @@ GROUPS = (
     "concurrency",
     "producers",
     "weightsync",
+    "rollout",
     "sweep",
 )
 ORDER = SYSTEMS

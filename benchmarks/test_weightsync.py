@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from benchmarks._workload import quick
-from tqstream.reference.weightsync import TorchCollective, WeightMeta, WeightSender
+from tqstream.reference.weightsync import TorchCollective, WeightHub, WeightMeta, WeightSender
 
 MiB = 1 << 20
 SIZES = (64, 256, 1024)  # MiB of weights
-SYSTEMS = ("tqstream-weightsync", "torch-broadcast")
+SYSTEMS = ("tqstream-weightsync", "tqstream-weighthub", "torch-broadcast")
 
 
 def state_dict(mib: int) -> dict[str, torch.Tensor]:
@@ -50,33 +50,46 @@ def test_weightsync(benchmark: Any, kind: str, mib: int) -> None:
         case=f"{mib} MiB of weights, gloo, 2 processes",
         bytes=nbytes,
         batch=mib,
-        note=(
-            "WeightSender.send -> WeightReceiver.receive (control record and range table, "
-            "metadata header once; tensors of 1 MiB or more sent as they are, smaller ones packed)"
-            if kind.startswith("tqstream")
-            else "one ProcessGroupGloo broadcast of the same bytes as one uint8 tensor"
-        ),
+        note={
+            "tqstream-weightsync": "WeightSender.send -> WeightReceiver.receive (control record "
+            "and range table, metadata header once; tensors of 1 MiB or more sent as they are, "
+            "smaller ones packed)",
+            "tqstream-weighthub": "WeightHub.send -> one member (WeightSubscription.next, then "
+            "its receiver): the announcement through the rendezvous store, then the same stream",
+            "torch-broadcast": "one ProcessGroupGloo broadcast of the same bytes as one uint8 "
+            "tensor",
+        }[kind],
     )
-    group = TorchCollective(0, 2, timeout=600.0)
-    mode = "tqstream" if kind.startswith("tqstream") else "raw"
+    mode = {"tqstream-weightsync": "tqstream", "tqstream-weighthub": "hub"}.get(kind, "raw")
+    hub = WeightHub(timeout=600.0, bucket_bytes=64 * MiB) if mode == "hub" else None
+    group = TorchCollective(0, 2, timeout=600.0) if hub is None else None
+    port = hub.port if hub is not None else group.port  # type: ignore[union-attr]
     worker = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks._weightsync_worker", str(group.port), mode,
+        [sys.executable, "-m", "benchmarks._weightsync_worker", str(port), mode,
          str(nbytes), str(rounds + warmup)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        if mode == "tqstream":
+        version = iter(range(1, 1 << 30))
+        if hub is not None:
+            hub.wait_members(1)
+            benchmark.pedantic(lambda: hub.send(weights, next(version)), rounds=rounds,
+                               warmup_rounds=warmup, iterations=1)  # fmt: skip
+        elif mode == "tqstream":
+            assert group is not None
             sender = WeightSender(group, bucket_bytes=64 * MiB)
-            version = iter(range(1, 1 << 30))
             benchmark.pedantic(lambda: sender.send(weights, next(version)), rounds=rounds,
                                warmup_rounds=warmup, iterations=1)  # fmt: skip
         else:
+            assert group is not None
             flat = torch.empty(nbytes, dtype=torch.uint8)
             benchmark.pedantic(group.broadcast, args=(flat,), rounds=rounds,
                                warmup_rounds=warmup, iterations=1)  # fmt: skip
         out, _ = worker.communicate(timeout=600)
         assert worker.returncode == 0 and out.strip() == "done"
     finally:
+        if hub is not None:
+            hub.close()
         if worker.poll() is None:
             worker.kill()
             worker.wait()

@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="rollout worker processes (default: %(default)s)")  # fmt: skip
     p.add_argument("--max-staleness", type=int, default=d.max_staleness,
                    help="versions a trajectory may lag; 0: synchronous (%(default)s)")  # fmt: skip
+    p.add_argument("--engine", choices=["torch", "vllm"], default=d.engine,
+                   help="rollout engine; vllm needs vLLM (default: %(default)s)")  # fmt: skip
+    p.add_argument("--sync-interval", type=int, default=d.sync_interval,
+                   help="steps between weight syncs (default: %(default)s)")  # fmt: skip
     p.add_argument("--update-mode", choices=["keep", "abort"], default=d.update_mode,
                    help="generations in flight at a weight update (%(default)s)")  # fmt: skip
     p.add_argument("--proximal", choices=["recompute", "loglinear"], default=d.proximal,
@@ -74,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     config = PipelineConfig(
         steps=args.steps, workers=args.workers, max_staleness=args.max_staleness,
         update_mode=args.update_mode, proximal=args.proximal, lr=args.lr, seed=args.seed,
+        engine=args.engine, sync_interval=args.sync_interval,
     )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     live: Any = None
@@ -82,14 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         from rich.table import Table
 
         def view(row: StepStats | None) -> Table:
-            t = Table(title=f"tqstream demo — {config.workers} rollout workers, "
+            t = Table(title=f"tqstream demo — {config.workers} {config.engine} rollout workers, "
                             f"max_staleness {config.max_staleness}")  # fmt: skip
-            for col in ("step", "version", "reward", "loss", "lag", "rows/s", "sync"):
+            for col in ("step", "version", "reward", "loss", "lag", "rows/s", "sync", "workers"):
                 t.add_column(col, justify="right")
             if row is not None:
                 t.add_row(f"{row.step + 1}/{config.steps}", str(row.version),
                           f"{row.reward_mean:.3f}", f"{row.loss:+.4f}", f"{row.max_lag:.0f}",
-                          f"{row.rows_per_s:,.0f}", f"{row.sync_s * 1e3:.1f} ms")  # fmt: skip
+                          f"{row.rows_per_s:,.0f}", f"{row.sync_s * 1e3:.1f} ms",
+                          str(row.workers))  # fmt: skip
             return t
 
         live = Live(view(None), refresh_per_second=4)
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary.steps} steps in {summary.seconds:.0f}s: reward {summary.reward_first:.3f} -> "
         f"{summary.reward_last:.3f}; produced {summary.produced}, trained {summary.trained}, "
         f"dropped as stale {summary.dropped}, left {summary.left}; max lag {summary.max_lag:.0f}; "
+        f"workers replaced {summary.restarts}; "
         f"wrote {args.out / 'summary.json'} and {args.out / 'progress.png'}"
     )
     return 0

@@ -195,33 +195,34 @@ def _worker(
         admission = client.admission("capacity", name="rollout", **_admission_config(config))
         row = slice(rank * config.group_size, (rank + 1) * config.group_size)
         rng = random.Random(config.seed * 7919 + rank)
-        with ExperienceWriter(client, partition=config.partition, admission=admission) as writer:
-            k = 0
-            while not stop.is_set():
-                ids: list[int] = []
-                while len(ids) < config.group_size and not stop.is_set():
-                    with contextlib.suppress(tqstream.RequestTimeoutError):
-                        ids += admission.acquire(config.group_size - len(ids),
-                                                 version=engine.version, timeout=0.5)  # fmt: skip
-                    slots[row] = ids + [-1] * (config.group_size - len(ids))
-                if stop.is_set():
-                    break
-                problem = problems(1, rng)[0]
-                prompt = tok.encode(problem.prompt, add_special_tokens=False)
-                outs = engine.rollout([prompt] * config.group_size, config.max_new_tokens)
-                rows: dict[str, list[Any]] = {f: [] for f in FIELDS}
-                for out in outs:
-                    tokens = [t for t in out.tokens if t != tok.eos_token_id]
-                    text = tok.decode(tokens)
-                    rows["prompt_ids"].append(torch.tensor(prompt))
-                    rows["response_ids"].append(torch.tensor(out.tokens))
-                    rows["logprobs"].append(torch.tensor(out.logprobs))
-                    rows["versions"].append(torch.tensor(out.versions, dtype=torch.int32))
-                    rows["rewards"].append(reward(problem, text, out.finish_reason == "stop"))
-                writer.put_experience(rows, current_version=engine.version,
-                                      group=f"w{rank}-{k}", slots=ids)  # fmt: skip
-                slots[row] = [-1] * config.group_size
-                k += 1
+        # no close(): the trainer, not the producers, says when the stream ends
+        writer = ExperienceWriter(client, partition=config.partition, admission=admission)
+        k = 0
+        while not stop.is_set():
+            ids: list[int] = []
+            while len(ids) < config.group_size and not stop.is_set():
+                with contextlib.suppress(tqstream.RequestTimeoutError):
+                    ids += admission.acquire(config.group_size - len(ids),
+                                             version=engine.version, timeout=0.5)  # fmt: skip
+                slots[row] = ids + [-1] * (config.group_size - len(ids))
+            if stop.is_set():
+                break
+            problem = problems(1, rng)[0]
+            prompt = tok.encode(problem.prompt, add_special_tokens=False)
+            outs = engine.rollout([prompt] * config.group_size, config.max_new_tokens)
+            rows: dict[str, list[Any]] = {f: [] for f in FIELDS}
+            for out in outs:
+                tokens = [t for t in out.tokens if t != tok.eos_token_id]
+                text = tok.decode(tokens)
+                rows["prompt_ids"].append(torch.tensor(prompt))
+                rows["response_ids"].append(torch.tensor(out.tokens))
+                rows["logprobs"].append(torch.tensor(out.logprobs))
+                rows["versions"].append(torch.tensor(out.versions, dtype=torch.int32))
+                rows["rewards"].append(reward(problem, text, out.finish_reason == "stop"))
+            writer.put_experience(rows, current_version=engine.version,
+                                  group=f"w{rank}-{k}", slots=ids)  # fmt: skip
+            slots[row] = [-1] * config.group_size
+            k += 1
     finally:
         engine.close()
 
@@ -352,12 +353,14 @@ def run(
                 batch["rewards"], meta.groups,
             )  # fmt: skip
             data.ack(batch)
-            admission.on_version(trainer.version)
             trained += len(meta.row_ids)
             sync_s = 0.0
             if (step + 1) % config.sync_interval == 0 or step + 1 == config.steps:
                 sync = hub.send(model.state_dict(), trainer.version)
                 sync_s = sync.seconds
+                # the capacity moves with the weights the rollouts hold, not the trainer's
+                # version: opened earlier, it would admit work done under the old weights
+                admission.on_version(trainer.version)
             now = time.perf_counter()
             rate = len(meta.row_ids) / (now - last)
             row = StepStats(step, trainer.version, stats["reward_mean"], stats["loss"],
