@@ -63,6 +63,9 @@ class PipelineConfig:
     """The rollout engine: "torch" (``TorchEngine``) or "vllm" (``VLLMEngine``, needs vLLM)."""
     max_restarts: int = 3
     """Rollout workers that may die and be replaced before the run fails."""
+    backend: str = "gloo"
+    """The weight sync's transport: "gloo" (CPU) or "nccl" (GPUs; the trainer's weights go from
+    ``cuda:0``, each worker receives on its current device)."""
     max_new_tokens: int = 3
     temperature: float = 1.0
     lr: float = 3e-3
@@ -95,6 +98,8 @@ class PipelineConfig:
             raise PipelineError(f"unknown engine {self.engine!r}; use 'torch' or 'vllm'")
         if self.update_mode not in ("keep", "abort"):
             raise PipelineError(f"update_mode must be 'keep' or 'abort', got {self.update_mode!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise PipelineError(f"unknown backend {self.backend!r}; use 'gloo' or 'nccl'")
         if self.max_restarts < 0:
             raise PipelineError(f"max_restarts must be 0 or more, got {self.max_restarts}")
 
@@ -168,6 +173,9 @@ def _worker(
 
     torch.set_num_threads(1)
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     tok = PreTrainedTokenizerFast.from_pretrained(model_dir)
     engine = _make_engine(config, model_dir, rank, tok)
@@ -177,7 +185,7 @@ def _worker(
                 AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).state_dict()
             )
         sub = WeightSubscription("127.0.0.1", hub_port, timeout=config.timeout)
-        kwargs: dict[str, Any] = {"timeout": config.timeout}
+        kwargs: dict[str, Any] = {"timeout": config.timeout, "backend": config.backend}
         if config.engine == "vllm":
             kwargs["expected"] = expected
         engine.connect_weights("127.0.0.1", hub_port, sub.member, **kwargs)
@@ -301,6 +309,9 @@ def run(
     from tqstream.reference.weightsync import WeightHub
 
     config.check()
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
     own = client is None
     client = tqstream.init() if own else client
     workers: _Workers | None = None
@@ -314,7 +325,7 @@ def run(
         model.save_pretrained(model_dir)
         trainer = PPOTrainer(model, pad_id=tok.pad_token_id, lr=config.lr,
                              temperature=config.temperature, proximal=config.proximal)  # fmt: skip
-        hub = WeightHub(timeout=config.timeout)
+        hub = WeightHub(timeout=config.timeout, backend=config.backend)
         admission = client.admission("capacity", name="rollout", **_admission_config(config))
         client.create_partition(config.partition, FIELDS, tasks=["actor"], admission="rollout")
         workers = _Workers(config, client.address, hub.port, model_dir, admission)
