@@ -274,3 +274,17 @@ def test_a_subscription_stops_on_request_and_tells_when_the_hub_is_gone() -> Non
     gc.collect()
     with pytest.raises(WeightSyncError, match=r"the weight hub at 127\.0\.0\.1:\d+ is gone"):
         sub.next()
+
+
+@pytest.mark.gpu
+def test_a_hub_over_nccl_between_two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank: this test needs two")
+    hub = WeightHub(timeout=60.0, backend="nccl", device="cuda:0", bucket_bytes=2048)
+    worker = hub_member(hub.port, 2, "--nccl")
+    registered(worker)
+    for v in (1, 2):
+        stats = hub.send({k: t.cuda() for k, t in weights(v).items()}, v)
+        assert (stats.receivers, stats.lost) == (1, ())
+    assert lines(worker) == [{"version": v, "ok": True} for v in (1, 2)]
+    hub.close()

@@ -9,7 +9,7 @@ or {"error": class name, "message": ...}. ``--expect-other`` expects a model wit
 another shape; ``--idle`` joins and then never receives; ``--fresh`` receives each sync with a new
 receiver (one that never saw the metadata). ``hub``: a member of the ``WeightHub`` at PORT (it
 registers, says {"member": id}, waits for each announced sync and receives it); ``--after N``:
-registers only once N members did.
+registers only once N members did; ``--nccl``: receives over NCCL on ``cuda:1``.
 """
 
 from __future__ import annotations
@@ -75,8 +75,11 @@ def hub_member(port: int, syncs: int, other: bool) -> None:
     else:
         sub = WeightSubscription("127.0.0.1", port, timeout=20.0)
     print(json.dumps({"member": sub.member}), flush=True)
-    receiver = member_receiver("127.0.0.1", port, sub.member, timeout=20.0,
-                               expected=WeightMeta.of(weights(0, other)))  # fmt: skip
+    nccl = "--nccl" in sys.argv  # receive on the second GPU
+    receiver = member_receiver(
+        "127.0.0.1", port, sub.member, timeout=20.0, backend="nccl" if nccl else "gloo",
+        device="cuda:1" if nccl else None, expected=WeightMeta.of(weights(0, other)),
+    )  # fmt: skip
     for _ in range(syncs):
         check(receiver, sub.next())
 
@@ -87,6 +90,7 @@ def check(receiver: WeightReceiver, announced: int | None) -> None:
     except TQStreamError as exc:
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
         return
+    got = {k: t.cpu() for k, t in got.items()}
     want = weights(version)
     ok = announced in (None, version) and list(got) == list(want) and all(
         torch.equal(got[k].view(torch.uint8) if got[k].dtype == torch.bfloat16 else got[k],
