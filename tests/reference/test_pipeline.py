@@ -96,3 +96,10 @@ def test_more_deaths_than_max_restarts_fail_the_run() -> None:
     with pytest.raises(PipelineError, match=r"rollout worker 0 exited with code -9, and 0 were "
                        r"already replaced \(max_restarts\)"):  # fmt: skip
         run(config, on_step=on_step)
+
+
+def test_a_seeded_short_run_learns() -> None:
+    # the demo's settings, 120 steps: the policy learns to answer with a digit and to stop
+    config = PipelineConfig(steps=120, workers=2, lr=1e-3, seed=0, timeout=90.0)
+    summary = run(config)
+    assert summary.reward_last > summary.reward_first + 0.05, summary
