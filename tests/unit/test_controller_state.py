@@ -1051,3 +1051,31 @@ def test_a_stored_put_waits_for_room_on_its_own_unit() -> None:
     assert handle == "producer" and reply.meta.units == [0] and s.unit_bytes == [40, 0]
     with pytest.raises(CapacityError, match="can never fit on storage unit 1, whose quota is 100"):
         s.put_stored(stored_req(1, nbytes=150), 1, 3.0)
+
+
+def test_equally_loaded_units_take_puts_in_turn() -> None:
+    # consumers keep up: every unit holds 0 bytes at each put, and the puts still spread
+    s = new_state(units=3)
+    units = []
+    for _ in range(6):
+        s.unit_bytes[:] = [0, 0, 0]  # as if the previous puts were acked and freed at once
+        [segment] = prepare(s, 2).segments
+        units.append(segment.unit)
+    assert units == [0, 1, 2, 0, 1, 2]
+    s.unit_bytes[:] = [0, 5, 0]  # the least loaded still come first: ties only rotate
+    assert [seg.unit for seg in prepare(s, 2).segments] in ([0], [2])
+
+
+def test_ended_leases_and_puts_leave_the_deadline_heap() -> None:
+    from tqstream.controller.records import COMPACT_MIN
+
+    s = new_state()
+    for i in range(4 * COMPACT_MIN):  # every put committed and every lease acked at once
+        now = float(i)
+        put(s, 1, now=now)
+        req = GetMeta(rid=0, partition="p", task="t", fields=["a"], batch_size=1)
+        got = s.get_meta(req, next(_handles), now)
+        assert got is not None and got.lease_id is not None
+        assert s.ack("p", "t", got.lease_id, got.row_ids) == 1
+    assert sum(1 for e in s._deadlines if s._live(e)) == 0
+    assert len(s._deadlines) < 2 * COMPACT_MIN  # not 8 * COMPACT_MIN: ended entries were swept

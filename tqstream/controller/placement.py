@@ -11,19 +11,27 @@ SPLIT_BYTES = 64 << 20
 
 
 def place(
-    unit_bytes: list[int], n_rows: int, nbytes: int, quotas: list[int] | None = None
+    unit_bytes: list[int],
+    n_rows: int,
+    nbytes: int,
+    quotas: list[int] | None = None,
+    turn: int = 0,
 ) -> list[tuple[int, int, int]] | None:
     """``(unit, start, stop)`` runs covering rows ``[0, n_rows)``, least-loaded units first.
 
-    ``quotas[u]`` is unit u's byte quota (0: unlimited). Returns None when the put does not fit
-    now but could once bytes are freed (the caller waits); raises when it can never fit.
+    ``quotas[u]`` is unit u's byte quota (0: unlimited). Units equally loaded are taken in turn,
+    starting from unit ``turn`` (the caller advances it every put), so when consumers keep up and
+    every unit holds 0 bytes the puts still spread over all of them. Returns None when the put
+    does not fit now but could once bytes are freed (the caller waits); raises when it can never
+    fit.
     """
     quotas = quotas or [0] * len(unit_bytes)
     _check_fits(unit_bytes, nbytes, quotas)
     room = [q - b if q else math.inf for q, b in zip(quotas, unit_bytes, strict=True)]
     k = min(len(unit_bytes), n_rows, max(1, math.ceil(nbytes / SPLIT_BYTES)))
     while k <= len(unit_bytes):
-        order = sorted(range(len(unit_bytes)), key=lambda u: (-room[u], unit_bytes[u], u))[:k]
+        n = len(unit_bytes)
+        order = sorted(range(n), key=lambda u: (-room[u], unit_bytes[u], (u - turn) % n))[:k]
         bounds = [i * n_rows // k for i in range(k + 1)]
         runs = [(u, bounds[i], bounds[i + 1]) for i, u in enumerate(sorted(order))]
         if all(room[u] >= nbytes * (stop - start) / n_rows for u, start, stop in runs):

@@ -44,6 +44,9 @@ def check_window(req: GetMeta) -> None:
 
 
 FINISHED_LIMIT = 100_000
+COMPACT_MIN = 1024
+"""The deadline heap is swept of ended entries once it holds this many, then at twice its live
+size after each sweep."""
 
 
 @dataclasses.dataclass

@@ -29,6 +29,7 @@ from tqstream.controller.flow import FlowControl
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.placement import place, place_on
 from tqstream.controller.records import (
+    COMPACT_MIN,
     FINISHED_LIMIT,
     Effects,
     Lease,
@@ -85,6 +86,8 @@ class ControllerState(FlowControl):
         self.finished_puts: OrderedDict[int, str] = OrderedDict()
         self.parked: dict[str, dict[Any, Parked]] = {}
         self._deadlines: list[tuple[float, int, str, Any]] = []
+        self._compact_at = COMPACT_MIN  # heap size at which ended entries are swept out
+        self._turn = 0  # the unit equally loaded ones are taken from (placement round-robin)
         self._ids = itertools.count(1)
         self.outbox = Effects()  # effects of calls that return something else; see take_effects
         self._next_rows: dict[str, int] = {}  # first row id of a re-created partition
@@ -196,7 +199,8 @@ class ControllerState(FlowControl):
                     f"{vname} has {len(vseq)} entries but the put has {req.n_rows} rows"
                 )
         if pinned is None:
-            runs = place(self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota)
+            runs = place(self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota, self._turn)
+            self._turn += 1
         else:
             runs = place_on(pinned, self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota)
         if runs is None:  # no room now: back-pressure, never a silent drop
@@ -736,6 +740,30 @@ class ControllerState(FlowControl):
     # --- time ---
     def _at(self, deadline: float, kind: str, ref: Any) -> None:
         heapq.heappush(self._deadlines, (deadline, next(self._ids), kind, ref))
+        if len(self._deadlines) >= self._compact_at:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the entries of leases, puts and waits that ended before their deadline (the heap
+        deletes lazily): the heap stays within twice its live entries, at amortised O(1) a push."""
+        self._deadlines = [e for e in self._deadlines if self._live(e)]
+        heapq.heapify(self._deadlines)
+        self._compact_at = max(COMPACT_MIN, 2 * len(self._deadlines))
+
+    def _live(self, entry: tuple[float, int, str, Any]) -> bool:
+        deadline, _, kind, ref = entry
+        if kind == "lease":
+            lease = self.leases.get(ref)
+            return lease is not None and lease.deadline == deadline
+        if kind == "acquire":
+            return ref in self.waiting_acquires
+        if kind == "putwait":
+            return ref in self.waiting_puts
+        if kind == "put":
+            return ref in self.pending
+        if kind == "ttl":
+            return self.partitions.get(ref[0].name) is ref[0]
+        return self.parked.get(ref.req.partition, {}).get(ref.handle) is ref
 
     def next_deadline(self) -> float | None:
         return self._deadlines[0][0] if self._deadlines else None
