@@ -9,7 +9,7 @@ anything else; the version is checked at the ``Hello`` handshake.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -17,23 +17,44 @@ from tqstream.types import BatchMeta, FieldSchema, Stats, UnitStats
 
 PROTOCOL_VERSION = 1
 
+# --- bounds of every number a request carries: checked when a server decodes it (a request out of
+# them is refused with MalformedMessageError naming the field) and by the client before sending
+MAX_PUT_ROWS = 1 << 20
+"""Rows of one put, one batch, one admission request: the controller keeps ~400 bytes per row."""
+MAX_LIST = 1 << 22
+"""Entries of one request's list (row ids, keys, slot ids)."""
+MAX_BYTES = 1 << 50
+MAX_SECONDS = 1e7
+"""Timeouts, lease timeouts and ttls: finite, 0 to ~115 days."""
+MAX_ID = (1 << 63) - 1
+
+# a lower bound the controller checks itself (with a message of its own: "batch_size must be a
+# positive number of rows, got -3") is left to it: the wire keeps numbers finite and bounded above
+Seconds = Annotated[float, msgspec.Meta(ge=-MAX_SECONDS, le=MAX_SECONDS)]
+Rows = Annotated[int, msgspec.Meta(le=MAX_PUT_ROWS)]
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
+Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
+Ids = Annotated[list[Id], msgspec.Meta(max_length=MAX_LIST)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_PUT_ROWS)]
+Names = Annotated[list[str], msgspec.Meta(max_length=MAX_LIST)]
+
 
 class BufferRef(msgspec.Struct, frozen=True):
     """A tensor carried in frame ``frame`` (1-based: frame 0 is the header): the whole frame, or
     with ``offset >= 0`` its bytes from there (small messages pack their tensors in one frame)."""
 
-    frame: int
+    frame: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIST)]
     dtype: str
-    shape: tuple[int, ...]
-    offset: int = -1
+    shape: tuple[Bytes, ...]
+    offset: Annotated[int, msgspec.Meta(ge=-1, le=MAX_BYTES)] = -1
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
     """``nbytes`` bytes at ``offset`` of shared-memory segment ``name`` (see ``shm.py``)."""
 
     name: str
-    offset: int
-    nbytes: int
+    offset: Bytes
+    nbytes: Bytes
 
 
 class Spare(msgspec.Struct, frozen=True, array_like=True):
@@ -84,17 +105,17 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
 # --- controller requests ---
 class RegisterUnit(_Msg, frozen=True, tag="register_unit"):
     address: str
-    max_bytes: int = 0  # the unit's byte quota; 0: unlimited
+    max_bytes: Bytes = 0  # the unit's byte quota; 0: unlimited
     inproc: str = ""  # the unit's inproc:// address when it runs embedded
 
 
 class CreatePartition(_Msg, frozen=True, tag="create_partition"):
     partition: str
-    fields: list[str] = []
-    tasks: list[str] | None = None  # registered consumer tasks: a row all of them acked is freed
-    ttl: float | None = None  # seconds a committed row lives before it is evicted
+    fields: Names = []
+    tasks: Names | None = None  # registered consumer tasks: a row all of them acked is freed
+    ttl: Seconds | None = None  # seconds a committed row lives before it is evicted
     admission: str | None = None  # the admission feeding it: stale evictions return budget
-    producers: int | None = None  # close_partition calls that close it (None: unchanged / 1)
+    producers: Rows | None = None  # close_partition calls that close it (None: unchanged / 1)
 
 
 class ClosePartition(_Msg, frozen=True, tag="close_partition"):
@@ -105,48 +126,48 @@ class ClosePartition(_Msg, frozen=True, tag="close_partition"):
 
 class CountRejected(_Msg, frozen=True, tag="count_rejected"):
     partition: str
-    count: int
+    count: Count
 
 
 class PreparePut(_Msg, frozen=True, tag="prepare_put"):
     partition: str
-    n_rows: int
+    n_rows: Rows
     schemas: dict[str, FieldSchema]
-    nbytes: int
-    keys: list[str] | None = None
+    nbytes: Bytes
+    keys: Names | None = None
     groups: list[str | None] | None = None
-    group_size: int | None = None
+    group_size: Rows | None = None
     version: int | None = None
     version_start: list[int | None] | None = None  # per row, derived from per-token versions
     version_end: list[int | None] | None = None
     dispatch_version: list[int | None] | None = None
-    rejected: int = 0  # rows of this put refused by the producer (mixed versions)
-    timeout: float | None = None  # wait this long for storage room (byte quotas)
+    rejected: Count = 0  # rows of this put refused by the producer (mixed versions)
+    timeout: Seconds | None = None  # wait this long for storage room (byte quotas)
 
 
 class PrepareFields(_Msg, frozen=True, tag="prepare_fields"):
     partition: str
-    row_ids: list[int]
+    row_ids: Ids
     schemas: dict[str, FieldSchema]
-    nbytes: int
+    nbytes: Bytes
 
 
 class CommitPut(_Msg, frozen=True, tag="commit_put"):
-    put_id: int
+    put_id: Id
 
 
 class AbortPut(_Msg, frozen=True, tag="abort_put"):
-    put_id: int
+    put_id: Id
 
 
 class GetMeta(_Msg, frozen=True, tag="get_meta"):
     partition: str
-    fields: list[str]
-    batch_size: int
+    fields: Names
+    batch_size: Rows
     task: str
     whole_groups: bool = False
-    lease_timeout: float | None = None
-    timeout: float | None = None
+    lease_timeout: Seconds | None = None
+    timeout: Seconds | None = None
     current_version: int | None = None
     max_staleness: int | None = None
     measure: str = "head"  # "head" (version_start) | "tail" (version_end) | "dispatch"
@@ -155,8 +176,8 @@ class GetMeta(_Msg, frozen=True, tag="get_meta"):
 
 class GetByKeys(_Msg, frozen=True, tag="get_by_keys"):
     partition: str
-    keys: list[str]
-    fields: list[str] | None = None
+    keys: Names
+    fields: Names | None = None
 
 
 class ListKeys(_Msg, frozen=True, tag="list_keys"):
@@ -166,20 +187,20 @@ class ListKeys(_Msg, frozen=True, tag="list_keys"):
 class Ack(_Msg, frozen=True, tag="ack"):
     partition: str
     task: str
-    lease_id: int
-    row_ids: list[int]
+    lease_id: Id
+    row_ids: Ids
 
 
 class Release(_Msg, frozen=True, tag="release"):
     partition: str
     task: str
-    lease_id: int
-    row_ids: list[int]
+    lease_id: Id
+    row_ids: Ids
 
 
 class ClearSamples(_Msg, frozen=True, tag="clear_samples"):
     partition: str
-    row_ids: list[int]
+    row_ids: Ids
 
 
 class ClearPartition(_Msg, frozen=True, tag="clear_partition"):
@@ -193,8 +214,8 @@ class GetStats(_Msg, frozen=True, tag="get_stats"):
 # --- storage requests ---
 class Store(_Msg, frozen=True, tag="store"):
     partition: str
-    chunk: int
-    row_ids: list[int]
+    chunk: Id
+    row_ids: Ids
     columns: list[ColumnRef]
     shared: list[Region] = []  # frames 1..n are in shared memory instead of attached
     reused: str = ""  # the spare segment the client claimed (renamed) for this chunk
@@ -202,8 +223,8 @@ class Store(_Msg, frozen=True, tag="store"):
 
 class Fetch(_Msg, frozen=True, tag="fetch"):
     partition: str
-    row_ids: list[int]
-    fields: list[str]
+    row_ids: Ids
+    fields: Names
     shared: bool = False  # the client reads the unit's shared memory: answer with regions
 
 
@@ -221,22 +242,22 @@ class PutStored(_Msg, frozen=True, tag="put_stored"):
     rows there and commit them (each waiting for room under the unit's quota like any put). A unit
     sends the puts that reached it together in one message."""
 
-    unit: int
+    unit: Annotated[int, msgspec.Meta(ge=0)]
     puts: list[PreparePut]
 
 
 class DropRows(_Msg, frozen=True, tag="drop_rows"):
     partition: str
-    row_ids: list[int]
+    row_ids: Ids
 
 
 class DropChunks(_Msg, frozen=True, tag="drop_chunks"):
-    chunks: list[int]
+    chunks: Ids
 
 
 class DropPartition(_Msg, frozen=True, tag="drop_partition"):
     partition: str
-    before_chunk: int = 0  # only chunks with smaller ids (the cleared incarnation); 0: all
+    before_chunk: Id = 0  # only chunks with smaller ids (the cleared incarnation); 0: all
 
 
 class GetUnitStats(_Msg, frozen=True, tag="get_unit_stats"):
@@ -255,16 +276,16 @@ class Acquire(_Msg, frozen=True, tag="acquire"):
     false; ``force`` grants one regardless of capacity (AReaL's on_rollout_submitted)."""
 
     name: str
-    n: int = 1
+    n: Rows = 1
     version: int = 0
     wait: bool = True
-    timeout: float | None = None
+    timeout: Seconds | None = None
     force: bool = False
 
 
 class ReleaseSlots(_Msg, frozen=True, tag="release_slots"):
     name: str
-    slot_ids: list[int]
+    slot_ids: Ids
     outcome: str = "accepted"
 
 
@@ -280,7 +301,7 @@ class AdmissionVersion(_Msg, frozen=True, tag="admission_version"):
 class AdmissionInfo(_Msg, frozen=True, tag="admission_info"):
     name: str
     version: int | None = None
-    enqueued: int = 0
+    enqueued: Count = 0
 
 
 Request = (
@@ -423,6 +444,23 @@ def encode(msg: msgspec.Struct) -> bytes:
 def decode_request(data: bytes | memoryview) -> Any:
     """Decode frame 0 of a request; raises ``msgspec.DecodeError`` / ``ValidationError``."""
     return _request_decoder.decode(data)
+
+
+def check_request(data: bytes, op: str) -> None:
+    """What a server will check of an encoded request, checked before it is sent: a number out of
+    its bounds (a NaN or infinite timeout, a negative count, a put of more than ``MAX_PUT_ROWS``
+    rows...) is an :class:`~tqstream.errors.InvalidRequestError` naming the field."""
+    try:
+        _request_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        from tqstream.errors import InvalidRequestError
+
+        raise InvalidRequestError(
+            f"{op} request refused before sending: {exc} (timeouts and ttls are finite, at most "
+            f"{MAX_SECONDS:g} seconds; sizes and ids non-negative; at most {MAX_PUT_ROWS} rows "
+            f"per put or batch and {MAX_LIST} entries per list)",
+            op=op,
+        ) from None
 
 
 def decode_reply(data: bytes | memoryview) -> Any:

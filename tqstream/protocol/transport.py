@@ -56,6 +56,7 @@ from tqstream.protocol.messages import (
     ErrorReply,
     Hello,
     Welcome,
+    check_request,
     decode_reply,
     decode_request,
     encode,
@@ -571,6 +572,7 @@ class Connection:
         rid = next(self._rids)
         msg = msgspec.structs.replace(msg, rid=rid)
         op, header = _op(msg), encode(msg)
+        check_request(header, op)
         size = len(header) + sum(_nbytes(b) for b in buffers)
         if size > self._limit:
             theirs = self.welcome.max_message_bytes if hasattr(self, "welcome") else "unknown"
