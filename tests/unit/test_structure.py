@@ -86,3 +86,30 @@ def test_the_reference_pipeline_is_at_the_edge() -> None:
     for name, imports in MODULES.items():
         if not name.startswith(("tqstream.reference", "tqstream.adapters")):
             assert not any(i.startswith("tqstream.reference") for i in imports), name
+
+
+def _cycles() -> list[list[str]]:
+    """Import cycles among tqstream's modules (a module importing a package counts as importing
+    its ``__init__``; imports under TYPE_CHECKING count too)."""
+    graph = {n: {i for i in imps if i in MODULES and i != n} for n, imps in MODULES.items()}
+    found, state, stack = [], dict.fromkeys(graph, 0), []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state[m] == 1:
+                found.append([*stack[stack.index(m) :], m])
+            elif state[m] == 0:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if state[n] == 0:
+            visit(n)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert not _cycles()

@@ -12,8 +12,8 @@ Blocking calls wait at the controller (parked, no polling) until a slot frees up
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from tqstream.client.core import ClientCore
 from tqstream.errors import RequestTimeoutError
@@ -27,14 +27,20 @@ from tqstream.protocol.messages import (
     Slots,
 )
 
-if TYPE_CHECKING:
-    from tqstream.client.client import Client
-
 State = dict[str, int | float | str]
 
 
+class Caller(Protocol):
+    """What a handle needs of its client (``tqstream.Client``): run a ``ClientCore`` call, blocking
+    or awaited. A protocol, so this module does not import the client's (which imports it)."""
+
+    def _sync(self, method: Callable[..., Any], *args: Any) -> Any: ...
+
+    async def _async(self, method: Callable[..., Any], *args: Any) -> Any: ...
+
+
 class AdmissionHandle:
-    def __init__(self, client: Client, name: str, style: str) -> None:
+    def __init__(self, client: Caller, name: str, style: str) -> None:
         self.client = client
         self.name = name
         self.style = style

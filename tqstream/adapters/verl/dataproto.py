@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tqstream.adapters.verl import padding
+import tqstream.adapters.verl.padding as padding
 from tqstream.adapters.verl.layout import (
     DERIVED_FIELDS,
     LAYOUT_FIELD,
