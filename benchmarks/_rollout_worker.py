@@ -28,6 +28,7 @@ def main() -> None:
 
     logging.disable_progress_bar()
     from tqstream.reference.engine import TorchEngine
+    from tqstream.reference.pipeline import group_rows
     from tqstream.reference.task import problems
     from tqstream.reference.tiny import tiny_model, tiny_tokenizer
 
@@ -50,13 +51,7 @@ def main() -> None:
             outs = engine.generate([prompt] * GROUP, new_tokens)
             tokens += sum(len(o.tokens) for o in outs)
             if writer is not None:
-                rows = {
-                    "prompt_ids": [torch.tensor(prompt)] * GROUP,
-                    "response_ids": [torch.tensor(o.tokens) for o in outs],
-                    "logprobs": [torch.tensor(o.logprobs) for o in outs],
-                    "versions": [torch.tensor(o.versions, dtype=torch.int32) for o in outs],
-                    "rewards": [0.0] * GROUP,
-                }
+                rows = group_rows(prompt, outs, [0.0] * GROUP)
                 t0 = time.perf_counter()
                 writer.put_experience(rows, current_version=0, group=f"{round_no}-{k}")
                 put_s += time.perf_counter() - t0

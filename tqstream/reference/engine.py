@@ -175,12 +175,7 @@ class TorchEngine(RolloutEngine):
     def sync_weights(self, version: int) -> None:
         if self._receiver is None:
             raise WeightSyncError("sync_weights before connect_weights: connect to the hub first")
-        got, weights = self._receiver.receive()
-        if got != version:
-            raise WeightSyncError(
-                f"the trainer sent version {got} where {version} was announced; the rollout "
-                "worker and the trainer are out of step"
-            )
+        got, weights = self._receiver.receive(announced=version)
         # the receiver's buffer is reused by the next sync: the engine takes copies
         self.load_weights({k: t.clone() for k, t in weights.items()}, got)
 

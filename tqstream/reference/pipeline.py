@@ -37,7 +37,7 @@ import torch
 
 from tqstream.errors import TQStreamError
 
-__all__ = ["PipelineConfig", "PipelineError", "StepStats", "Summary", "run"]
+__all__ = ["PipelineConfig", "PipelineError", "StepStats", "Summary", "group_rows", "run"]
 
 POLL = 1.0
 """Seconds the trainer waits for a batch before it looks at its workers again."""
@@ -137,6 +137,17 @@ class Summary:
     history: list[StepStats]
 
 
+def group_rows(prompt: list[int], outs: list[Any], rewards: list[float]) -> dict[str, list[Any]]:
+    """One prompt's completions (``Completion``) as the rows a worker puts, field by field."""
+    return {
+        "prompt_ids": [torch.tensor(prompt)] * len(outs),
+        "response_ids": [torch.tensor(o.tokens) for o in outs],
+        "logprobs": [torch.tensor(o.logprobs) for o in outs],
+        "versions": [torch.tensor(o.versions, dtype=torch.int32) for o in outs],
+        "rewards": list(rewards),
+    }
+
+
 def _admission_config(config: PipelineConfig) -> dict[str, int]:
     rows = config.batch_groups * config.group_size
     return {"max_concurrent": config.workers * config.group_size,
@@ -218,16 +229,12 @@ def _worker(
             problem = problems(1, rng)[0]
             prompt = tok.encode(problem.prompt, add_special_tokens=False)
             outs = engine.rollout([prompt] * config.group_size, config.max_new_tokens)
-            rows: dict[str, list[Any]] = {f: [] for f in FIELDS}
-            for out in outs:
-                tokens = [t for t in out.tokens if t != tok.eos_token_id]
-                text = tok.decode(tokens)
-                rows["prompt_ids"].append(torch.tensor(prompt))
-                rows["response_ids"].append(torch.tensor(out.tokens))
-                rows["logprobs"].append(torch.tensor(out.logprobs))
-                rows["versions"].append(torch.tensor(out.versions, dtype=torch.int32))
-                rows["rewards"].append(reward(problem, text, out.finish_reason == "stop"))
-            writer.put_experience(rows, current_version=engine.version,
+            rewards = [
+                reward(problem, tok.decode([t for t in out.tokens if t != tok.eos_token_id]),
+                       out.finish_reason == "stop")
+                for out in outs
+            ]  # fmt: skip
+            writer.put_experience(group_rows(prompt, outs, rewards), current_version=engine.version,
                                   group=f"w{rank}-{k}", slots=ids)  # fmt: skip
             slots[row] = [-1] * config.group_size
             k += 1

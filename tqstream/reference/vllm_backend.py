@@ -114,12 +114,7 @@ class TqstreamTransfer(WeightTransferEngine[TransferInitInfo, TransferUpdateInfo
                 "update_weights before init_weight_transfer_engine: initialise the transfer first"
             )
         t0 = time.perf_counter()
-        version, weights = self.receiver.receive()
-        if version != update_info.version:
-            raise WeightSyncError(
-                f"the trainer sent version {version} where {update_info.version} was announced; "
-                "the rollout process and the trainer are out of step"
-            )
+        version, weights = self.receiver.receive(announced=update_info.version)
         self.model.load_weights(weights.items())
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         self.last = {"version": version, "nbytes": nbytes, "seconds": time.perf_counter() - t0}

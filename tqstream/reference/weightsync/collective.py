@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tqstream.errors import WeightSyncError, WeightSyncTimeoutError
 
-__all__ = ["Collective", "TorchCollective", "connect_store"]
+__all__ = ["Collective", "TorchCollective", "backend_device", "connect_store"]
 
 _PEER_GONE = ("timeout", "timed out", "connection closed", "reset by peer")
 """What the backends' errors say when a peer did not take part (lower case)."""
@@ -36,6 +36,20 @@ def connect_store(host: str, port: int, timeout: float, host_it: bool = False) -
             f"could not reach the weight-sync rendezvous at {host}:{port} within {timeout}s: "
             f"{str(exc).splitlines()[0]}; is the trainer up, and is the address right?"
         ) from exc
+
+
+def backend_device(backend: str, device: torch.device | str | None = None) -> torch.device:
+    """Where ``backend``'s tensors live: the CPU for gloo, ``device`` (default: the current CUDA
+    device) for nccl; an unknown backend, or nccl without CUDA, is a :class:`WeightSyncError`."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl":
+        if getattr(dist, "ProcessGroupNCCL", None) is None or not torch.cuda.is_available():
+            raise WeightSyncError(
+                "the nccl backend needs a CUDA device and a CUDA build of torch; use backend='gloo'"
+            )
+        return torch.device(device or f"cuda:{torch.cuda.current_device()}")
+    raise WeightSyncError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
 
 
 class Collective(Protocol):
@@ -85,17 +99,7 @@ class TorchCollective:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timeout
         self._delta = datetime.timedelta(seconds=timeout)
-        if backend == "gloo":
-            self.device = torch.device("cpu")
-        elif backend == "nccl":
-            if getattr(dist, "ProcessGroupNCCL", None) is None or not torch.cuda.is_available():
-                raise WeightSyncError(
-                    "the nccl backend needs a CUDA device and a CUDA build of torch; use "
-                    "backend='gloo'"
-                )
-            self.device = torch.device(device or f"cuda:{torch.cuda.current_device()}")
-        else:
-            raise WeightSyncError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+        self.device = backend_device(backend, device)
         if store is None:
             store = connect_store(host, port, timeout, host_it=rank == 0)
         self.store = store

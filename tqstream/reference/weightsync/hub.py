@@ -29,7 +29,11 @@ import torch
 import torch.distributed as dist
 
 from tqstream.errors import WeightSyncError
-from tqstream.reference.weightsync.collective import TorchCollective, connect_store
+from tqstream.reference.weightsync.collective import (
+    TorchCollective,
+    backend_device,
+    connect_store,
+)
 from tqstream.reference.weightsync.layout import WeightMeta
 from tqstream.reference.weightsync.sync import (
     DEFAULT_BUCKET_BYTES,
@@ -75,11 +79,10 @@ class WeightHub:
     ) -> None:
         self.host, self.backend, self.timeout = host, backend, timeout
         self._device = device
+        self._packer = _Packer(bucket_bytes, direct_bytes, backend_device(backend, device))
         self.store = connect_store(host, port, timeout, host_it=True)
         self.port: int = self.store.port
         self.store.add(MEMBERS, 0)
-        probe = TorchCollective(0, 1, backend=backend, device=device, store=self.store)
-        self._packer = _Packer(bucket_bytes, direct_bytes, probe.device)
         self._members: dict[int, _Member] = {}
         self._registered = 0
         self.lost: dict[int, str] = {}  # member -> why it was dropped
@@ -127,7 +130,8 @@ class WeightHub:
         self._admit()
         packer = self._packer
         meta = packer.update(weights)
-        header = meta.encode()
+        lacking = any(m.known != meta.fingerprint for m in self._members.values())
+        header = meta.encode() if lacking else b""  # only members that lack it get it
         started: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
         lost: list[int] = []
         for m in list(self._members.values()):

@@ -152,7 +152,9 @@ class WeightReceiver:
         self._meta: WeightMeta | None = None
         self._stream: torch.Tensor | None = None
 
-    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def receive(self, announced: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """``announced``: the version the hub announced for this sync (``WeightSubscription.next``);
+        a sync of another one is a :class:`WeightSyncError` (the two sides are out of step)."""
         c, device = self.collective, self.collective.device
         control = torch.zeros(6, dtype=torch.int64, device=device)
         c.broadcast(control)
@@ -195,6 +197,13 @@ class WeightReceiver:
                 f"rank {c.rank}: the weights of version {version} differ from this model's ("
                 f"{self.expected.difference(sent)}); nothing was loaded — the trainer and the "
                 "rollout engine must hold the same architecture",
+                rank=c.rank,
+                version=version,
+            )
+        if announced is not None and announced != version:
+            raise WeightSyncError(
+                f"rank {c.rank}: the trainer sent version {version} where {announced} was "
+                "announced; the rollout side and the trainer are out of step",
                 rank=c.rank,
                 version=version,
             )
