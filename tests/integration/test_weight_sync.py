@@ -288,3 +288,17 @@ def test_a_hub_over_nccl_between_two_gpus() -> None:
         assert (stats.receivers, stats.lost) == (1, ())
     assert lines(worker) == [{"version": v, "ok": True} for v in (1, 2)]
     hub.close()
+
+
+def test_a_subscription_to_no_hub_says_so() -> None:
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(WeightSyncTimeoutError) as err:
+        WeightSubscription("127.0.0.1", port, timeout=1.0)
+    message = str(err.value)
+    assert message.startswith(f"could not reach the weight-sync rendezvous at 127.0.0.1:{port} "
+                              "within 1.0s: ")  # fmt: skip
+    assert message.endswith("; is the trainer up, and is the address right?")

