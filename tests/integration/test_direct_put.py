@@ -24,6 +24,7 @@ import tqstream
 from tqstream import Client
 from tqstream.config import StorageConfig
 from tqstream.protocol.codec import column_from_wire, columns_from_data, columns_to_wire
+from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     Columns,
     DropPartition,
@@ -40,7 +41,8 @@ from tqstream.protocol.messages import (
     StoredReply,
     StoredResults,
 )
-from tqstream.protocol.transport import Connection, Responder, Server, context, error_reply
+from tqstream.protocol.server import Responder, Server
+from tqstream.protocol.transport import context, error_reply
 from tqstream.storage.service import StorageService
 from tqstream.types import BatchMeta
 

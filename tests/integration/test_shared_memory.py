@@ -25,6 +25,7 @@ import tqstream
 from tqstream import Client
 from tqstream.protocol import shm
 from tqstream.protocol.codec import columns_from_data, columns_to_wire
+from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     DropChunks,
     Fetch,
@@ -34,7 +35,6 @@ from tqstream.protocol.messages import (
     Store,
     UnitStatsReply,
 )
-from tqstream.protocol.transport import Connection
 
 pytestmark = pytest.mark.skipif(
     not shm.available(), reason=f"needs a writable POSIX shared-memory directory ({shm.SHM_DIR})"

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 import tqstream
+from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -40,7 +41,7 @@ from tqstream.protocol.messages import (
     decode_reply,
     encode,
 )
-from tqstream.protocol.transport import Connection, Responder, Server
+from tqstream.protocol.server import Responder, Server
 
 LIMIT = 1 << 20
 

@@ -30,6 +30,7 @@ from tqstream.config import ClientConfig
 from tqstream.errors import InternalError, InvalidRequestError, TQStreamError, UnknownRowError
 from tqstream.protocol import shm
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
+from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
     AbortPut,
@@ -60,7 +61,7 @@ from tqstream.protocol.messages import (
     Store,
     Welcome,
 )
-from tqstream.protocol.transport import Connection, context
+from tqstream.protocol.transport import context
 from tqstream.types import BatchMeta, Stats
 
 T = TypeVar("T")

@@ -20,6 +20,7 @@ import zmq
 from tqstream.config import ClientConfig, ControllerConfig
 from tqstream.controller.state import ControllerState, Effects
 from tqstream.errors import InvalidRequestError, TQStreamError
+from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     AbortPut,
     Ack,
@@ -59,13 +60,8 @@ from tqstream.protocol.messages import (
     StoredResults,
     UnitStatsReply,
 )
-from tqstream.protocol.transport import (
-    Connection,
-    Responder,
-    Server,
-    error_reply,
-    shared_context,
-)
+from tqstream.protocol.server import Responder, Server
+from tqstream.protocol.transport import error_reply, shared_context
 from tqstream.types import Stats, UnitStats
 
 __all__ = ["ControllerService"]

@@ -45,6 +45,7 @@ from tqstream.errors import (
 )
 from tqstream.protocol import shm
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
+from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     Columns,
     DropChunks,
@@ -65,13 +66,8 @@ from tqstream.protocol.messages import (
     StoredResults,
     UnitStatsReply,
 )
-from tqstream.protocol.transport import (
-    Connection,
-    Responder,
-    Server,
-    error_from_reply,
-    shared_context,
-)
+from tqstream.protocol.server import Responder, Server
+from tqstream.protocol.transport import error_from_reply, shared_context
 from tqstream.storage.columns import ColumnStore
 from tqstream.types import FieldSchema, UnitStats
 

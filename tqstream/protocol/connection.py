@@ -1,0 +1,396 @@
+"""The client side of the transport: one DEALER socket per connection to a server.
+
+A client never waits forever on a dead server: ZMQ would silently reconnect and the reply would be
+lost, so a monitor fails every pending request with ``ConnectionLostError`` when the TCP connection
+drops (heartbeats turn a silent peer into a drop), and a request made while the connection is down
+waits at most ``connect_timeout`` for ZMQ to reconnect. Everything runs on the caller's asyncio
+loop; a request made while that loop is current but not running (a sync call on a client lane)
+waits for its reply by polling its sockets on the calling thread, with the same deadlines and link
+checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from tqstream.errors import (
+    ClosedError,
+    ConnectError,
+    ConnectionLostError,
+    InternalError,
+    MalformedMessageError,
+    MessageTooLargeError,
+    RequestTimeoutError,
+    TQStreamError,
+)
+from tqstream.protocol.messages import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Hello,
+    Welcome,
+    check_request,
+    decode_reply,
+    encode,
+)
+from tqstream.protocol.transport import (
+    _ENDPOINTS,
+    POLLIN,
+    POLLOUT,
+    _events,
+    _fd,
+    _nbytes,
+    _op,
+    _peek,
+    _rid_of,
+    _socket,
+    _version_error,
+    error_from_reply,
+)
+
+__all__ = ["Connection"]
+
+
+class Connection:
+    """One DEALER socket to one server, a reader task that matches replies to requests by ``rid``
+    and a monitor task that watches the TCP connection. Open with :meth:`open` and keep it for the
+    peer's lifetime: ZMQ reconnects by itself, so a request made after a drop is sent normally; if
+    the server is not back within ``connect_timeout`` it fails rather than waiting forever."""
+
+    welcome: Welcome
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        address: str,
+        role: str,
+        connect_timeout: float,
+        heartbeat_interval: float,
+        max_message_bytes: int,
+    ) -> None:
+        self.address, self.role = address, role
+        self.max_message_bytes = max_message_bytes
+        self._limit = max_message_bytes  # min(ours, the server's) once welcomed
+        self._connect_timeout = connect_timeout
+        self._rids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        self._grace: dict[int, asyncio.TimerHandle] = {}  # requests sent while the link is down
+        self._down = False
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._unsent: list[list[Any]] = []  # requests ZMQ would not take yet (never with HWM 0)
+        self._poller: zmq.Poller | None = None  # for requests that wait without a running loop
+        self.wake: int | None = None
+        """A file descriptor that, once readable, ends a request waiting without a running loop
+        with ``ClosedError`` (another thread closes the client: ``lanes.py``)."""
+        # inproc passes buffers by pointer: copy what we send and what we receive, so neither
+        # side's tensors alias the other's memory (what a socket between processes does anyway)
+        self._inproc = address.startswith("inproc://")
+        sock = _socket(ctx, zmq.DEALER)
+        ivl = max(1, round(heartbeat_interval * 1000))
+        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # requests queue while (re)connecting, never block
+            sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, min(3 * ivl, 6_553_500))  # lets the server drop us
+            # before connect(), so no event can be missed; a plain PAIR, like the socket itself
+            endpoint = f"inproc://tqstream-monitor-{next(_ENDPOINTS)}"
+            sock.monitor(endpoint, events)
+            monitor = _socket(ctx, zmq.PAIR)
+            monitor.connect(endpoint)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as exc:
+                monitor.close(linger=0)
+                raise ConnectError(
+                    f"cannot connect to {address!r}: {exc.strerror}; an address looks like "
+                    f"tcp://HOST:PORT",
+                    address=address,
+                ) from exc
+        except BaseException:
+            sock.close(linger=0)  # ends the monitor too
+            raise
+        self._sock, self._monitor = sock, monitor
+        self._fds = (_fd(sock), _fd(monitor))
+        loop = self._loop = asyncio.get_running_loop()
+        loop.add_reader(self._fds[0], self._guard, self._read)
+        loop.add_reader(self._fds[1], self._guard, self._watch)
+        loop.call_soon(self._guard, self._watch)  # events queued before the reader was added
+
+    @classmethod
+    async def open(
+        cls,
+        ctx: zmq.Context[Any],
+        address: str,
+        *,
+        role: str = "client",
+        connect_timeout: float,
+        heartbeat_interval: float,
+        max_message_bytes: int,
+    ) -> Connection:
+        """Connect and handshake (``Hello`` → ``Welcome``) within ``connect_timeout``; never hangs,
+        and closes the socket on any failure."""
+        conn = cls(ctx, address, role, connect_timeout, heartbeat_interval, max_message_bytes)
+        try:
+            hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role)
+            try:
+                reply, _ = await conn.request(hello, timeout=connect_timeout)
+            except (RequestTimeoutError, ConnectionLostError):
+                raise ConnectError(
+                    f"no tqstream server answered at {address} within {connect_timeout}s; check "
+                    f"the address and that the server (tqstream-launch or tqstream.init) is "
+                    f"running",
+                    address=address,
+                    timeout=connect_timeout,
+                ) from None
+            if not isinstance(reply, Welcome):
+                raise InternalError(f"{address} answered hello with {_op(reply)}, not welcome")
+            if reply.protocol != PROTOCOL_VERSION:
+                raise _version_error(PROTOCOL_VERSION, role, reply.server, address, reply.protocol)
+        except BaseException:
+            conn.close()
+            raise
+        conn.welcome = reply
+        conn._limit = min(max_message_bytes, reply.max_message_bytes)
+        return conn
+
+    async def request(
+        self, msg: msgspec.Struct, buffers: Sequence[Any] = (), *, timeout: float | None
+    ) -> tuple[Any, list[zmq.Frame]]:
+        """Send ``msg`` (its ``rid`` is replaced) and the buffers; return the reply and all its
+        frames (frame 0 included, as ``BufferRef.frame`` counts). ``timeout=None`` waits until the
+        reply, a lost connection or ``close()``; an ``ErrorReply`` is raised as its error class."""
+        if self._closed:
+            raise ClosedError(f"the connection to {self.address} is closed; open a new one")
+        if self._broken is not None:
+            raise InternalError(
+                f"the connection to {self.address} is unusable: "
+                f"{type(self._broken).__name__}: {self._broken}"
+            ) from self._broken
+        rid = next(self._rids)
+        msg = msgspec.structs.replace(msg, rid=rid)
+        op, header = _op(msg), encode(msg)
+        check_request(header, op)
+        size = len(header) + sum(_nbytes(b) for b in buffers)
+        if size > self._limit:
+            theirs = self.welcome.max_message_bytes if hasattr(self, "welcome") else "unknown"
+            raise MessageTooLargeError(
+                f"{op} message of {size} bytes exceeds the limit of {self._limit} bytes "
+                f"(max_message_bytes is {self.max_message_bytes} on this {self.role} and {theirs} "
+                f"on the server at {self.address}); split the batch into smaller ones or raise "
+                f"max_message_bytes on both sides",
+                nbytes=size,
+                max_message_bytes=self._limit,
+            )
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._pending[rid] = (fut, op)
+        # a loop that is current but not running: a lane's sync call (lanes.py) that waits right
+        # here, polling the sockets, which saves the loop's iterations and the task machinery
+        waits_here = not loop.is_running()
+        timer = None
+        if not waits_here:
+            if self._down:  # queued until ZMQ reconnects: wait for that at most connect_timeout
+                self._grace[rid] = loop.call_later(self._connect_timeout, self._unreachable, rid)
+            # a timer, not asyncio.wait_for: no extra task per request
+            timer = None if timeout is None else loop.call_later(timeout, _expire, fut)
+        try:
+            self._send([header, *buffers])
+            reply, frames = self._wait(fut, rid, timeout) if waits_here else await fut
+        except _Expired:
+            raise RequestTimeoutError(
+                f"no reply to {op} (request {rid}) from the server at {self.address} within "
+                f"{timeout}s; the server is busy or stuck, or the timeout is too short",
+                op=op,
+                address=self.address,
+                timeout=timeout,
+            ) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._pending.pop(rid, None)
+            grace = self._grace.pop(rid, None)
+            if grace is not None:
+                grace.cancel()
+        if isinstance(reply, ErrorReply):
+            raise error_from_reply(reply)
+        return reply, frames
+
+    def _send(self, frames: list[Any]) -> None:
+        if self._unsent:  # keep the order
+            self._unsent.append(frames)
+        else:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=self._inproc)
+            except zmq.Again:
+                self._unsent.append(frames)
+        # a send may consume the fd's edge: read what waits (a request in _wait reads anyway)
+        if (self._unsent or _events(self._sock) & POLLIN) and self._loop.is_running():
+            self._loop.call_soon(self._guard, self._read)
+
+    def _wait(self, fut: asyncio.Future[Any], rid: int, timeout: float | None) -> Any:
+        """Wait for ``fut`` on this thread without the loop: poll the socket, the monitor and
+        ``wake``, and handle what they bring as the loop's readers would."""
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        grace = now + self._connect_timeout if self._down else None
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            if self.wake is not None:
+                poller.register(self.wake, zmq.POLLIN)
+        while not fut.done():
+            limits = [t - now for t in (deadline, grace) if t is not None]
+            ready = dict(poller.poll(math.ceil(max(0.0, min(limits)) * 1000) if limits else None))
+            if self.wake is not None and self.wake in ready:
+                self.close()  # fails fut with ClosedError
+                break
+            self._guard(self._watch)
+            self._guard(self._read)
+            now = time.monotonic()
+            if fut.done():
+                break
+            if grace is not None and not self._down:
+                grace = None  # reconnected
+            elif grace is not None and now >= grace:
+                self._unreachable(rid)
+            elif deadline is not None and now >= deadline:
+                raise _Expired
+        return fut.result()
+
+    def close(self) -> None:
+        """Fail pending requests with ``ClosedError``, stop watching, close the sockets.
+        Idempotent; call on the connection's loop thread (or while nothing else uses it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(
+            ClosedError, "the connection to {address} was closed while waiting for {what}"
+        )
+        for fd in self._fds:
+            self._loop.remove_reader(fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    def move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch the sockets from ``loop`` instead; the old loop is closed, so nothing else uses
+        them. Requests sent from the old loop have nobody waiting any more: forgotten."""
+        self._pending.clear()
+        self._grace.clear()
+        self._loop = loop
+        if self._closed or self._broken is not None:
+            return
+        loop.add_reader(self._fds[0], self._guard, self._read)
+        loop.add_reader(self._fds[1], self._guard, self._watch)
+        loop.call_soon(self._guard, self._watch)
+
+    def check_link(self) -> None:
+        """Handle the monitor's waiting connection events now (``ClientCore.check_links``)."""
+        self._guard(self._watch)
+
+    def _guard(self, body: Callable[[], None]) -> None:
+        """A reader that fails takes the connection down with it: every pending and every later
+        request raises the error instead of waiting for a reply nobody will match."""
+        if self._closed or self._broken is not None:
+            return
+        try:
+            body()
+        except Exception as exc:
+            error = self._broken = exc
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
+            for fut, _ in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(error)
+
+    def _read(self) -> None:
+        sock = self._sock
+        while True:
+            events = _events(sock)
+            if self._unsent and events & POLLOUT:
+                with contextlib.suppress(zmq.Again):
+                    while self._unsent:
+                        sock.send_multipart(self._unsent[0], zmq.NOBLOCK, copy=self._inproc)
+                        self._unsent.pop(0)
+            if not events & POLLIN:
+                return
+            frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            header = frames[0].buffer
+            try:
+                reply = decode_reply(header)
+            except Exception as exc:
+                rid = _rid_of(_peek(header))
+                fut, op = self._pending.get(rid, (None, ""))
+                if fut is not None and not fut.done():
+                    text = f"the reply from {self.address} to {op} (request {rid}) is not a "
+                    text += f"tqstream protocol {PROTOCOL_VERSION} reply: {exc}"
+                    fut.set_exception(MalformedMessageError(text))
+                continue  # without a known rid nobody waits for it
+            entry = self._pending.get(reply.rid)
+            if entry is not None and not entry[0].done():  # else: late (timed out) or unknown
+                if self._inproc and len(frames) > 1:  # they may alias the server's memory
+                    frames[1:] = [bytearray(f.buffer) for f in frames[1:]]
+                entry[0].set_result((reply, frames))
+
+    def _watch(self) -> None:
+        while _events(self._monitor) & POLLIN:
+            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            if event == zmq.EVENT_MONITOR_STOPPED:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._down = False
+                for grace in self._grace.values():
+                    grace.cancel()
+                self._grace.clear()
+            elif event == zmq.EVENT_DISCONNECTED:  # the pending replies died with the connection
+                self._down = True
+                self._fail_all(ConnectionLostError, _LOST)
+
+    def _unreachable(self, rid: int) -> None:
+        self._grace.pop(rid, None)
+        if self._down:
+            self._fail_all(ConnectionLostError, _DOWN, only=rid)
+
+    def _fail_all(self, cls: type[TQStreamError], text: str, only: int | None = None) -> None:
+        for rid, (fut, op) in list(self._pending.items()):
+            # a future of a closed loop has nobody waiting (and cannot take a result any more)
+            if not fut.done() and only in (None, rid) and not fut.get_loop().is_closed():
+                what, timeout = f"{op} (request {rid})", self._connect_timeout
+                message = text.format(address=self.address, what=what, timeout=timeout)
+                fut.set_exception(cls(message, address=self.address, op=op, rid=rid))
+
+
+class _Expired(Exception):
+    """A request's own timer fired before its reply came."""
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
+
+
+_LOST = (
+    "connection to {address} lost while waiting for {what}; the server may have died; the request "
+    "may or may not have taken effect: retry once the server is back (the connection reconnects "
+    "by itself)"
+)
+_DOWN = (
+    "connection to {address} is down and no server came back within {timeout}s (connect_timeout) "
+    "to answer {what}; the server may have died: retry once it is back (the connection reconnects "
+    "by itself)"
+)

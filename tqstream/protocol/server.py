@@ -1,0 +1,285 @@
+"""The server side of the transport: one ROUTER socket per server process.
+
+A server survives anything a peer sends: every per-message step is guarded, and a bad message gets
+an ``ErrorReply`` rather than silence. Each request is handed to the handler in arrival order on
+the caller's asyncio loop; a handler answers at once, later through its :class:`Responder` (a
+parked request), or with an awaitable the server runs as a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from tqstream.errors import InternalError, MalformedMessageError, MessageTooLargeError
+from tqstream.protocol.messages import PROTOCOL_VERSION, Hello, Welcome, decode_request, encode
+from tqstream.protocol.transport import (
+    _ENDPOINTS,
+    POLLIN,
+    MiB,
+    _events,
+    _fd,
+    _op,
+    _peek,
+    _rid_of,
+    _socket,
+    _version_error,
+    error_reply,
+)
+
+__all__ = ["Handler", "HandlerResult", "Responder", "Server"]
+
+HandlerResult = Any | tuple[Any, Sequence[Any]] | Awaitable[Any] | None
+Handler = Callable[[Any, list[zmq.Frame], "Responder"], HandlerResult]
+
+
+class Responder:
+    """The way back to one request: (peer identity, rid). A handler that returns None keeps it and
+    answers later (a parked request); it stays valid until the server closes, after which answers
+    are dropped (the peer's connection fails on its own). Answering twice is a bug and raises."""
+
+    __slots__ = ("_identity", "_server", "answered", "op", "rid")
+
+    def __init__(self, server: Server, identity: bytes, rid: int, op: str) -> None:
+        self._server, self._identity, self.rid, self.op = server, identity, rid, op
+        self.answered = False
+
+    def reply(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
+        if self.answered:
+            raise InternalError(f"{self.op} (request {self.rid}) was answered twice")
+        if msg.rid != self.rid:
+            msg = msgspec.structs.replace(msg, rid=self.rid)
+        self._server._send(self._identity, msg, buffers)
+        self.answered = True
+
+    def fail(self, exc: BaseException) -> None:
+        """Answer with ``exc`` as an ``ErrorReply`` (see :func:`error_reply`)."""
+        where = f"the {self._server.name} server failed on {self.op} (request {self.rid})"
+        self.reply(error_reply(exc, where, self.rid))
+
+
+class Server:
+    """A ROUTER socket bound at construction (so ``address`` is known before ``serve``) and a
+    receive loop that hands each request to ``handler`` in arrival order, on the caller's loop."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        host: str,
+        port: int,
+        handler: Handler,
+        *,
+        name: str,
+        max_message_bytes: int,
+        units: Callable[[], list[str]] = lambda: [],
+        inproc_units: Callable[[], list[str]] = lambda: [],
+        shm: str = "",
+        inproc: bool = False,
+    ) -> None:
+        """``inproc``: also bind an ``inproc://`` endpoint (``inproc_address``) for clients in this
+        process that share ``ctx``; they skip TCP and libzmq's I/O thread."""
+        self.name = name
+        self.max_message_bytes = max_message_bytes
+        self._handler = handler
+        self._units = units
+        self._inproc_units = inproc_units
+        self._shm = shm
+        self.inproc_address = ""
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        sock = _socket(ctx, zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped
+            sock.setsockopt(zmq.SNDHWM, 0)  # at a full pipe ROUTER drops replies: never let it
+            # libzmq drops a peer that sends a frame over this, before it is ever buffered
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + MiB)
+            sock.bind(f"tcp://{host}:{port}")
+            self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if inproc:
+                self.inproc_address = f"inproc://tqstream-{name}-{next(_ENDPOINTS)}"
+                sock.bind(self.inproc_address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise OSError(
+                exc.errno, f"the {name} server cannot bind tcp://{host}:{port}: {exc.strerror}"
+            ) from exc
+        self._sock = sock
+        self._fd = _fd(sock)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self) -> None:
+        """Serve until ``close()``; then return. Raises only what breaks the server itself (never
+        something a peer sent), e.g. a handler bug that answered a request twice."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            return
+        if self._done is not None:
+            raise RuntimeError(f"the {self.name} server is already serving")
+        loop = self._loop = asyncio.get_running_loop()
+        self._done = loop.create_future()
+        loop.add_reader(self._fd, self._drain)
+        loop.call_soon(self._drain)  # messages that arrived before the reader was added
+        try:
+            await asyncio.shield(self._done)
+        finally:
+            self._stop_reading()
+        if self._failure is not None:
+            raise self._failure
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._sock.closed:
+            self._loop.remove_reader(self._fd)
+
+    async def close(self) -> None:
+        """Stop receiving, cancel in-flight handler tasks, close the socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_reading()
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current]
+        for t in tasks:
+            t.cancel()
+        self._sock.close(linger=0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _drain(self) -> None:
+        """Handle every message waiting on the socket (the ZMQ fd is edge-triggered: it signals
+        once for any number of messages, so stopping early would strand the rest)."""
+        sock = self._sock
+        self._draining = True
+        try:
+            while not self._closed and self._failure is None and _events(sock) & POLLIN:
+                self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        finally:
+            self._draining = False
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        """Handle one message; whatever goes wrong becomes an ``ErrorReply`` to its sender."""
+        identity, payload = frames[0].bytes, frames[1:]
+        responder = Responder(self, identity, 0, "request")
+        try:
+            if not payload:
+                raise MalformedMessageError(
+                    "the message has no frames after the peer identity; "
+                    "frame 0 must be a msgpack-encoded tqstream request"
+                )
+            header = payload[0].buffer
+            size = sum(len(f) for f in payload)
+            if size > self.max_message_bytes:
+                fields = _peek(header)
+                responder.rid, responder.op = _rid_of(fields), str(fields.get("op", "request"))
+                raise MessageTooLargeError(
+                    f"{responder.op} message of {size} bytes exceeds the {self.name} server's "
+                    f"max_message_bytes of {self.max_message_bytes}; split the batch into smaller "
+                    f"ones or raise max_message_bytes on both sides",
+                    nbytes=size,
+                    max_message_bytes=self.max_message_bytes,
+                )
+            msg = self._decode(header, responder)
+            responder.rid, responder.op = msg.rid, _op(msg)
+            if isinstance(msg, Hello):
+                responder.reply(self._welcome(msg))
+                return
+            self._deliver(responder, self._handler(msg, payload, responder))
+        except Exception as exc:
+            self._answer_error(responder, exc)
+
+    def _decode(self, header: memoryview, responder: Responder) -> Any:
+        try:
+            return decode_request(header)
+        except Exception as exc:  # msgspec.DecodeError / ValidationError, or nesting too deep
+            fields = _peek(header)
+            responder.rid = _rid_of(fields)
+            theirs = fields.get("protocol")
+            if fields.get("op") == "hello" and theirs != PROTOCOL_VERSION:
+                raise _version_error(
+                    theirs, str(fields.get("role", "client")), self.name, self.address
+                ) from None
+            raise MalformedMessageError(
+                f"request frame 0 ({header.nbytes} bytes) is not a tqstream protocol "
+                f"{PROTOCOL_VERSION} request: {exc}",
+                nbytes=header.nbytes,
+            ) from None
+
+    def _welcome(self, hello: Hello) -> Welcome:
+        if hello.protocol != PROTOCOL_VERSION:
+            raise _version_error(hello.protocol, hello.role, self.name, self.address)
+        return Welcome(
+            rid=hello.rid,
+            protocol=PROTOCOL_VERSION,
+            server=self.name,
+            max_message_bytes=self.max_message_bytes,
+            units=list(self._units()),
+            shm=self._shm,
+            inproc_units=list(self._inproc_units()),
+        )
+
+    def _deliver(self, responder: Responder, result: HandlerResult) -> None:
+        if result is None:  # parked: the handler answers through the responder later
+            return
+        if inspect.isawaitable(result):
+            task = asyncio.get_running_loop().create_task(
+                self._finish(responder, result),
+                name=f"tqstream-{self.name}-{responder.op}-{responder.rid}",
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+            return
+        if isinstance(result, tuple):
+            reply, buffers = result
+            responder.reply(reply, buffers)
+        else:
+            responder.reply(result)
+
+    async def _finish(self, responder: Responder, awaitable: Awaitable[Any]) -> None:
+        try:
+            self._deliver(responder, await awaitable)
+        except Exception as exc:
+            self._answer_error(responder, exc)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._fatal(task.exception())  # type: ignore[arg-type]
+
+    def _answer_error(self, responder: Responder, exc: BaseException) -> None:
+        """Send ``exc`` to the requester; a failure that cannot go there (the request was already
+        answered, or even an error reply cannot be sent) is a server bug and ends ``serve()``."""
+        if responder.answered:
+            self._fatal(exc)
+            return
+        try:
+            responder.fail(exc)
+        except Exception as bug:
+            self._fatal(bug)
+
+    def _fatal(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    def _send(self, identity: bytes, msg: Any, buffers: Sequence[Any]) -> None:
+        if self._closed:
+            return
+        # copy=False: pyzmq still copies frames under COPY_THRESHOLD. With SNDHWM 0
+        # a ROUTER send never blocks; what goes wrong (a buffer that is not a buffer) raises here,
+        # to the code that answered.
+        self._sock.send_multipart([identity, encode(msg), *buffers], zmq.NOBLOCK, copy=False)
+        # a send may consume the fd's edge: if input is waiting, the fd will not say so again
+        # (inside _drain, its loop looks again anyway)
+        if self._loop is not None and not self._draining and _events(self._sock) & POLLIN:
+            self._loop.call_soon(self._drain)
