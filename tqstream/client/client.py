@@ -332,6 +332,7 @@ class Client:
         ttl: float | None = None,
         admission: str | None = None,
         producers: int | None = None,
+        replicas: int | None = None,
     ) -> None:
         """Create ``partition`` and declare ``fields``, so gets wait for them instead of failing.
 
@@ -341,9 +342,11 @@ class Client:
         this partition; rows evicted as stale give their budget back to it (one slot per row:
         link only when producers take one slot per row), so the trainer is never starved by
         samples it could not use. ``producers``: how many ``close_partition`` calls close it
-        (default 1). Calling it again adds fields and updates tasks/ttl/admission/producers.
+        (default 1). ``replicas``: 2 stores every row on two storage units, so losing one unit
+        loses no row (default: the controller's ``replicas``, 1 unless configured); set it before
+        the first put. Calling it again adds fields and updates the other settings.
         """
-        msg = _partition_message(partition, fields, tasks, ttl, admission, producers)
+        msg = _partition_message(partition, fields, tasks, ttl, admission, producers, replicas)
         self._sync(ClientCore.call, msg)
 
     async def async_create_partition(
@@ -355,8 +358,9 @@ class Client:
         ttl: float | None = None,
         admission: str | None = None,
         producers: int | None = None,
+        replicas: int | None = None,
     ) -> None:
-        msg = _partition_message(partition, fields, tasks, ttl, admission, producers)
+        msg = _partition_message(partition, fields, tasks, ttl, admission, producers, replicas)
         await self._async(ClientCore.call, msg)
 
     def close_partition(self, partition: str) -> int:
@@ -675,6 +679,7 @@ def _partition_message(
     ttl: float | None,
     admission: str | None,
     producers: int | None,
+    replicas: int | None = None,
 ) -> CreatePartition:
     return CreatePartition(
         rid=0,
@@ -684,6 +689,7 @@ def _partition_message(
         ttl=ttl,
         admission=admission,
         producers=producers,
+        replicas=replicas,
     )
 
 

@@ -61,6 +61,7 @@ from tqstream.protocol.messages import (
     PutStored,
     Region,
     RegisterUnit,
+    ResetUnit,
     Store,
     StoredReply,
     StoredResults,
@@ -374,6 +375,12 @@ class StorageService:
                         else max(x.cleared_before, msg.before_chunk)
                     )  # fmt: skip
                 s.drop_partition(msg.partition, msg.before_chunk)
+                return Ok(rid=msg.rid)
+            case ResetUnit():
+                # stored puts still landing get their chunk ids from the controller, which
+                # commits them only now that the unit is revived: they are younger, and stay
+                for partition in s.partitions():
+                    s.drop_partition(partition, msg.before_chunk)
                 return Ok(rid=msg.rid)
             case GetUnitStats():
                 stats = UnitStats(
