@@ -4,13 +4,13 @@ went away (``tqstream.controller.faults``, ``units``). No sockets: handles carry
 from __future__ import annotations
 
 import dataclasses
-import pytest
 
-from tqstream.controller.state import ControllerState
+import pytest
+from test_controller_state import F32, get, new_state, prepare, put
+
 from tqstream.controller.units import UnitTable
 from tqstream.errors import CapacityError, LeaseExpiredError, PlacementRequiredError, UnitLostError
 from tqstream.protocol.messages import Acquire, PreparePut
-from test_controller_state import F32, get, new_state, prepare, put
 
 
 @dataclasses.dataclass(eq=False)
@@ -120,7 +120,7 @@ def test_a_gone_peer_gives_back_leases_parked_gets_puts_and_slots() -> None:
     assert plan.put_id not in s.pending and effects.drop_chunks  # rolled back
     assert s.stats("p")["p"].tasks["t"].available == 2
     with pytest.raises(LeaseExpiredError, match="connection that took it dropped"):
-        s.ack("p", "t", leased.lease_id, leased.row_ids[:1] + [99])
+        s.ack("p", "t", leased.lease_id, leased.row_ids[:1])
     [(handle, slots)] = s.take_effects().replies  # the live parked acquire got the slots
     assert handle is live and len(slots.slot_ids) == 2
     assert s.admission_stats()["adm"]["rejected"] == 2
