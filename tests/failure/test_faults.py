@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -127,6 +128,23 @@ def test_room_freed_under_a_quota_is_not_kept_for_a_dead_producers_put(
         assert time.monotonic() - t0 < 2
         st = c.stats()
         assert st.partitions["p"].rows == 4  # the dead producer's put never landed
+
+
+def test_a_lease_outlives_the_thread_lane_that_took_it(cluster: ProcessCluster) -> None:
+    """A client's connections (one per calling thread) are one session: a thread that took a
+    lease and ended closes its connection, but the client lives on, so the lease stays."""
+    with tqstream.connect(cluster.address, FAST) as c:
+        c.put(_rows(0), "p")
+        taken: list[tqstream.BatchMeta] = []
+        worker = threading.Thread(target=lambda: taken.append(c.get_meta("p", "x", 4, "t")))
+        worker.start()
+        worker.join()
+        other = threading.Thread(target=lambda: c.stats())  # its lane closes the dead thread's
+        other.start()
+        other.join()
+        time.sleep(1.0)
+        assert c.stats("p").partitions["p"].tasks["t"].leased == 4
+        assert c.ack(taken[0]) == 4
 
 
 # --- lost units ---

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import secrets
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -102,9 +103,12 @@ class Client:
         self._io = io or LoopThread(name="tqstream-client-io")
         self._closed = False
         self._on_close = on_close
+        # every connection of this client (its IO thread's and its lanes') names the same session:
+        # the controller gives back what the client held only when all of them are gone
+        session = secrets.token_bytes(16)
         try:
             self._core = self._io.run(
-                ClientCore.open(inproc_address or address, self.config, context)
+                ClientCore.open(inproc_address or address, self.config, context, session)
             )
         except BaseException:
             if self._owns_io:
@@ -114,7 +118,9 @@ class Client:
             raise
         # calls of a client of other processes run on the caller's thread or loop (lanes.py)
         release = functools.partial(_release_on, self._io, self._core)  # no reference to self
-        self._lanes = Lanes(address, self.config, release, self._io.loop) if io is None else None
+        self._lanes = (
+            Lanes(address, self.config, release, self._io.loop, session) if io is None else None
+        )
         self._finalizer = weakref.finalize(
             self, _finalize, self._io if self._owns_io else None, self._core, on_close,
             None, self._lanes,

@@ -150,8 +150,14 @@ async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
 
 class ClientCore:
     def __init__(
-        self, ctx: zmq.Context[Any], controller: Connection, config: ClientConfig, owns_ctx: bool
+        self,
+        ctx: zmq.Context[Any],
+        controller: Connection,
+        config: ClientConfig,
+        owns_ctx: bool,
+        session: bytes = b"",
     ) -> None:
+        self.session = session
         self.ctx = ctx
         self._owns_ctx = owns_ctx
         self.config = config
@@ -171,18 +177,24 @@ class ClientCore:
 
     @classmethod
     async def open(
-        cls, address: str, config: ClientConfig, ctx: zmq.Context[Any] | None = None
+        cls,
+        address: str,
+        config: ClientConfig,
+        ctx: zmq.Context[Any] | None = None,
+        session: bytes = b"",
     ) -> ClientCore:
         """Connect to the controller at ``address``; ``ctx``, when given, is the embedded
-        servers' context (needed for ``inproc://`` addresses) and stays open at close."""
+        servers' context (needed for ``inproc://`` addresses) and stays open at close.
+        ``session``: the client this core belongs to (shared by its lanes' cores; see
+        ``Hello.session``)."""
         own = context() if ctx is None else None
         try:
-            conn = await cls._connect(own or ctx, address, config)  # type: ignore[arg-type]
+            conn = await cls._connect(own or ctx, address, config, session)  # type: ignore[arg-type]
         except BaseException:
             if own is not None:
                 own.destroy(linger=0)
             raise
-        return cls(own or ctx, conn, config, owns_ctx=own is not None)  # type: ignore[arg-type]
+        return cls(own or ctx, conn, config, own is not None, session)  # type: ignore[arg-type]
 
     def _addresses(self, welcome: Welcome) -> list[str]:
         """The units' addresses; their inproc ones when we reached the controller in-process."""
@@ -194,10 +206,13 @@ class ClientCore:
         ]
 
     @staticmethod
-    async def _connect(ctx: zmq.Context[Any], address: str, config: ClientConfig) -> Connection:
+    async def _connect(
+        ctx: zmq.Context[Any], address: str, config: ClientConfig, session: bytes = b""
+    ) -> Connection:
         return await Connection.open(
             ctx,
             address,
+            session=session,
             connect_timeout=config.connect_timeout,
             heartbeat_interval=config.heartbeat_interval,
             max_message_bytes=config.max_message_bytes,

@@ -140,6 +140,7 @@ class Connection:
         address: str,
         *,
         role: str = "client",
+        session: bytes = b"",
         connect_timeout: float,
         heartbeat_interval: float,
         max_message_bytes: int,
@@ -148,7 +149,7 @@ class Connection:
         and closes the socket on any failure."""
         conn = cls(ctx, address, role, connect_timeout, heartbeat_interval, max_message_bytes)
         try:
-            hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role)
+            hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role, session=session)
             try:
                 reply, _ = await conn.request(hello, timeout=connect_timeout)
             except (RequestTimeoutError, ConnectionLostError):

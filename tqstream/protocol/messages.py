@@ -92,6 +92,9 @@ class _Msg(msgspec.Struct, frozen=True, tag=True, tag_field="op"):
 class Hello(_Msg, frozen=True, tag="hello"):
     protocol: int
     role: str = "client"
+    # the client this connection belongs to (a client opens several: one per thread or loop);
+    # what the client held is given back when its last connection drops. b"": this one alone
+    session: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Welcome(_Msg, frozen=True, tag="welcome"):

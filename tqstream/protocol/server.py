@@ -8,8 +8,10 @@ parked request), or with an awaitable the server runs as a task.
 A server can also tell its owner when a peer's connection drops (``on_disconnect``): libzmq's
 ROUTER does not say which peer a TCP disconnect was (its notification is a draft API), so the
 server watches its socket monitor, whose events name the connection's file descriptor, and learns
-each peer's descriptor from the first message it sends (``ZMQ_SRCFD``). A peer is a connection:
-a client that reconnects is a new peer, and the old one has dropped.
+each peer's descriptor from the first message it sends (``ZMQ_SRCFD``). A peer is a *session*:
+the connections whose handshake named the same ``Hello.session`` (one client's connections, one
+per thread or event loop), or a connection alone; it is gone once its last connection dropped. A
+client that reconnects opens a new connection, so the dropped one counts as gone.
 """
 
 from __future__ import annotations
@@ -51,16 +53,13 @@ class Responder:
     answers later (a parked request); it stays valid until the server closes, after which answers
     are dropped (the peer's connection fails on its own). Answering twice is a bug and raises."""
 
-    __slots__ = ("_identity", "_server", "answered", "op", "rid")
+    __slots__ = ("_identity", "_server", "answered", "op", "peer", "rid")
 
     def __init__(self, server: Server, identity: bytes, rid: int, op: str) -> None:
         self._server, self._identity, self.rid, self.op = server, identity, rid, op
         self.answered = False
-
-    @property
-    def peer(self) -> bytes:
-        """The connection the request came on (what ``on_disconnect`` names when it drops)."""
-        return self._identity
+        self.peer = server._sessions.get(identity, identity)
+        """The session the request came from (what ``on_disconnect`` names once it is gone)."""
 
     def reply(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
         if self.answered:
@@ -133,6 +132,8 @@ class Server:
         self._on_disconnect = on_disconnect
         self._peer_fd: dict[bytes, int] = {}
         self._fd_peers: dict[int, set[bytes]] = {}
+        self._sessions: dict[bytes, bytes] = {}  # connection -> the session its Hello named
+        self._members: dict[bytes, int] = {}  # session -> its connections not yet dropped
         self._monitor: zmq.Socket[Any] | None = None
         if on_disconnect is not None:
             endpoint = f"inproc://tqstream-peers-{next(_ENDPOINTS)}"
@@ -207,8 +208,14 @@ class Server:
             event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
-            for peer in self._fd_peers.pop(int(event["value"]), ()):
-                self._peer_fd.pop(peer, None)
+            for identity in self._fd_peers.pop(int(event["value"]), ()):
+                self._peer_fd.pop(identity, None)
+                peer = self._sessions.pop(identity, identity)
+                if peer != identity:
+                    self._members[peer] -= 1
+                    if self._members[peer]:
+                        continue  # the client's other connections live on
+                    del self._members[peer]
                 if not self._closed and self._on_disconnect is not None:
                     try:
                         self._on_disconnect(peer)
@@ -254,6 +261,10 @@ class Server:
             responder.rid, responder.op = msg.rid, _op(msg)
             if isinstance(msg, Hello):
                 responder.reply(self._welcome(msg))
+                tracked = self._peer_fd.get(identity, -1) >= 0  # a TCP connection, watched
+                if msg.session and tracked and identity not in self._sessions:
+                    self._sessions[identity] = msg.session
+                    self._members[msg.session] = self._members.get(msg.session, 0) + 1
                 return
             self._deliver(responder, self._handler(msg, payload, responder))
         except Exception as exc:
