@@ -6,14 +6,14 @@ to parked requests, errors for timed-out ones, and drop orders for storage units
 single timer at :meth:`ControllerState.next_deadline` and calls :meth:`expire` when it fires, so
 nothing polls.
 
-Puts (:mod:`~tqstream.controller.puts`), flow control (:mod:`~tqstream.controller.flow`) and the
-handling of lost units and disconnected peers (:mod:`~tqstream.controller.faults`) are mixins over
-the same state, one concept per file.
+Puts (:mod:`~tqstream.controller.puts`), flow control (:mod:`~tqstream.controller.flow`), the
+handling of lost units and disconnected peers (:mod:`~tqstream.controller.faults`) and the deadline
+heap (:mod:`~tqstream.controller.deadlines`) are mixins over the same state, one concept per file;
+this module holds partitions, gets, consumption, clearing and stats.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import secrets
 from collections import OrderedDict
@@ -24,6 +24,7 @@ import msgspec
 from tqstream.controller.admission import (
     Admission,
 )
+from tqstream.controller.deadlines import Deadlines
 from tqstream.controller.faults import Faults
 from tqstream.controller.flow import FlowControl
 from tqstream.controller.partition import Partition, Row
@@ -60,7 +61,7 @@ from tqstream.protocol.messages import (
 from tqstream.types import BatchMeta, PartitionStats
 
 
-class ControllerState(Puts, FlowControl, Faults):
+class ControllerState(Puts, FlowControl, Faults, Deadlines):
     def __init__(
         self, *, lease_timeout: float = 300.0, put_timeout: float = 60.0, replicas: int = 1
     ) -> None:
@@ -487,82 +488,6 @@ class ControllerState(Puts, FlowControl, Faults):
             )
         del self.partitions[partition]
         self._serve_parked_puts()
-        return effects
-
-    # --- time ---
-    def _at(self, deadline: float, kind: str, ref: Any) -> None:
-        heapq.heappush(self._deadlines, (deadline, next(self._ids), kind, ref))
-        if len(self._deadlines) >= self._compact_at:
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop the entries of leases, puts and waits that ended before their deadline (the heap
-        deletes lazily): the heap stays within twice its live entries, at amortised O(1) a push."""
-        self._deadlines = [e for e in self._deadlines if self._live(e)]
-        heapq.heapify(self._deadlines)
-        self._compact_at = max(COMPACT_MIN, 2 * len(self._deadlines))
-
-    def _live(self, entry: tuple[float, int, str, Any]) -> bool:
-        deadline, _, kind, ref = entry
-        if kind == "lease":
-            lease = self.leases.get(ref)
-            return lease is not None and lease.deadline == deadline
-        if kind == "acquire":
-            return ref in self.waiting_acquires
-        if kind == "putwait":
-            return ref in self.waiting_puts
-        if kind == "put":
-            return ref in self.pending
-        if kind == "ttl":
-            return self.partitions.get(ref[0].name) is ref[0]
-        return self.parked.get(ref.req.partition, {}).get(ref.handle) is ref
-
-    def next_deadline(self) -> float | None:
-        return self._deadlines[0][0] if self._deadlines else None
-
-    def expire(self, now: float) -> Effects:
-        self.now = max(self.now, now)
-        effects = Effects()
-        touched: set[str] = set()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, _, kind, ref = heapq.heappop(self._deadlines)
-            if kind == "lease":
-                lease = self.leases.get(ref)
-                if lease is not None and lease.deadline == deadline:
-                    p = self.partitions[lease.partition]
-                    p.release(lease.task, sorted(lease.rows))
-                    self._end_lease(lease, "expired")
-                    touched.add(lease.partition)
-            elif kind == "acquire":
-                waited = self.waiting_acquires.pop(ref, None)
-                if waited is not None:
-                    effects.failed.append((ref, self._acquire_timeout(waited[0], now - waited[1])))
-            elif kind == "putwait":
-                put_wait = self.waiting_puts.pop(ref, None)
-                if put_wait is not None:
-                    error = self._capacity_error(put_wait[0], now - put_wait[1])
-                    effects.failed.append((ref, error))
-            elif kind == "ttl":
-                owner: Partition = ref[0]
-                if self.partitions.get(owner.name) is owner:  # not cleared and re-created since
-                    owner.expired += len(self._evict(owner, ref[1], effects))
-            elif kind == "put":
-                put = self.pending.pop(ref, None)
-                if put is not None:
-                    self._finish(self.finished_puts, ref, "cleared" if put.cancelled else "expired")
-                    self._rollback(put, effects)
-            else:
-                parked: Parked = ref
-                if parked.req.partition in touched:  # rows given back before this timeout
-                    touched.discard(parked.req.partition)
-                    self._serve_parked(parked.req.partition, effects, now)
-                waiting = self.parked.get(parked.req.partition, {})
-                if waiting.get(parked.handle) is parked:
-                    del waiting[parked.handle]
-                    p = self.partitions[parked.req.partition]
-                    effects.failed.append((parked.handle, self._timeout_error(p, parked.req)))
-        for name in touched:
-            self._serve_parked(name, effects, now)
         return effects
 
     @staticmethod
