@@ -61,6 +61,7 @@ def _produce(address: str, index: int, stop: Any, out: Any) -> None:
 
 
 def _consume(address: str, index: int, stop: Any, out: Any) -> None:
+    """Reads until ``stop`` (set once every producer has finished) and then 3 s without rows."""
     import torch
 
     import tqstream
@@ -75,7 +76,7 @@ def _consume(address: str, index: int, stop: Any, out: Any) -> None:
             except tqstream.RequestTimeoutError:
                 if stop.is_set():
                     idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > 5:
+                    if time.monotonic() - idle_since > 3:
                         break
                 continue
             except tqstream.UnitLostError:
@@ -111,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = tqstream.ProcessCluster(args.units, replicas=args.replicas, lease_timeout=60)
     ctx = mp.get_context("spawn")
-    stop, out = ctx.Event(), ctx.Queue()
+    halt, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()  # producers end, then consumers
     with tqstream.connect(cluster.address) as client:
         client.create_partition("soak", list(FIELDS), tasks=["train"], replicas=args.replicas)
         procs = [
-            ctx.Process(target=_produce, args=(cluster.address, i, stop, out), name=f"producer{i}")
+            ctx.Process(target=_produce, args=(cluster.address, i, halt, out), name=f"producer{i}")
             for i in range(args.producers)
         ] + [
             ctx.Process(target=_consume, args=(cluster.address, i, stop, out), name=f"consumer{i}")
@@ -152,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                 kills.append({"t": round(time.monotonic() - t0, 1), "unit": i})
                 next_kill += args.kill_every
             time.sleep(args.sample_every)
-        stop.set()
+        halt.set()
         results: dict[str, list[Any]] = {"producer": [], "consumer": []}
-        for _ in procs:
+        for _ in range(args.producers):  # a put may still be retried: wait for every one
+            role, index, ids, count = out.get(timeout=300)
+            results[role].append((index, ids, count))
+        stop.set()
+        for _ in range(args.consumers):
             role, index, ids, count = out.get(timeout=300)
             results[role].append((index, ids, count))
         for proc in procs:
@@ -197,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows_missing": missing,
         "duplicates": duplicates,
         "lost_counted": stats.lost,
+        "rows_left": stats.rows,
+        "pending_puts_left": stats.pending_puts,
+        "task_left": {t: [v.available, v.leased] for t, v in stats.tasks.items()},
         "put_retries": sum(c for _, _, c in results["producer"]),
         "get_errors": sum(c for _, _, c in results["consumer"]),
         "storage_bytes_at_end": final_bytes,

@@ -379,8 +379,7 @@ class StorageService:
             case ResetUnit():
                 # stored puts still landing get their chunk ids from the controller, which
                 # commits them only now that the unit is revived: they are younger, and stay
-                for partition in s.partitions():
-                    s.drop_partition(partition, msg.before_chunk)
+                s.reset(msg.before_chunk)
                 return Ok(rid=msg.rid)
             case GetUnitStats():
                 stats = UnitStats(
