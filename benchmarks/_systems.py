@@ -29,6 +29,7 @@ import torch
 from benchmarks._workload import FIELDS, Batch
 
 __all__ = [
+    "OPT_IN",
     "SYSTEMS",
     "System",
     "TaskSystem",
@@ -430,11 +431,12 @@ class RayActorQueue(System):
 class TQStream(TaskSystem):
     """tqstream, embedded (controller + 1 storage unit in this process) or as processes."""
 
-    def __init__(self, name: str, deployment: str, shared_memory: str) -> None:
+    def __init__(self, name: str, deployment: str, shared_memory: str, keys: bool = False) -> None:
         self.name = name
         self.deployment = deployment
         self.shared_memory = shared_memory
-        self.mode = f"{deployment}, shared_memory={shared_memory}"
+        self.keys = keys
+        self.mode = f"{deployment}, shared_memory={shared_memory}" + (", CURVE" if keys else "")
         self.partition = ""
         where = (
             "embedded: controller + 1 storage unit on the benchmark process's loop thread, reached "
@@ -447,6 +449,8 @@ class TQStream(TaskSystem):
                 else ", bytes over TCP"
             )
         )
+        if keys:
+            where += "; every TCP socket authenticated and encrypted with CURVE (--keys)"
         self.note = (
             f"tqstream {where}, ClientConfig(shared_memory={shared_memory!r}); put, get with a "
             f"consumer task (lease + fetch), ack; the partition registers the task, so the ack "
@@ -456,11 +460,15 @@ class TQStream(TaskSystem):
     def start(self) -> None:
         import tqstream
 
-        config = tqstream.ClientConfig(shared_memory=self.shared_memory)
+        keys = ""
+        if self.keys:
+            self._keydir = tempfile.mkdtemp(prefix="tqstream-bench-keys-")
+            keys = os.path.join(self._keydir, "cluster.keys")
+        config = tqstream.ClientConfig(shared_memory=self.shared_memory, keys=keys)
         if self.deployment == "embedded":
             self.client = tqstream.init(storage_units=1, client_config=config)
         else:
-            self.cluster = tqstream.ProcessCluster(storage_units=1)
+            self.cluster = tqstream.ProcessCluster(storage_units=1, keys=keys)
             self.client = tqstream.connect(self.cluster.address, config=config)
 
     def close(self) -> None:
@@ -468,6 +476,8 @@ class TQStream(TaskSystem):
             self.client.close()
         if hasattr(self, "cluster"):
             self.cluster.close()
+        if hasattr(self, "_keydir"):
+            shutil.rmtree(self._keydir, ignore_errors=True)
 
     def begin(self, tag: str) -> None:
         self.partition = tag
@@ -644,6 +654,8 @@ SYSTEMS = (
     "tqstream-embedded",
     "tqstream-procs-tcp",
     "tqstream-procs-shm",
+    "tqstream-procs-tcp-curve",
+    "tqstream-procs-shm-curve",
     "memcpy",
     "zmq-ipc",
     "zmq-tcp",
@@ -652,6 +664,9 @@ SYSTEMS = (
     "ray-actor-queue",
     "transferqueue",
 )
+OPT_IN = ("tqstream-procs-tcp-curve", "tqstream-procs-shm-curve")
+"""Systems run only when named (``--bench-systems``, ``interleave --systems``): what CURVE keys
+cost, next to the same systems without them."""
 
 
 def make_system(name: str) -> System:
@@ -661,6 +676,10 @@ def make_system(name: str) -> System:
         return TQStream(name, "procs", "auto")
     if name == "tqstream-procs-tcp":
         return TQStream(name, "procs", "off")
+    if name == "tqstream-procs-shm-curve":
+        return TQStream(name, "procs", "auto", keys=True)
+    if name == "tqstream-procs-tcp-curve":
+        return TQStream(name, "procs", "off", keys=True)
     if name == "memcpy":
         return Memcpy()
     if name in ("zmq-ipc", "zmq-tcp"):

@@ -29,6 +29,7 @@ import zmq
 from tqstream.config import ClientConfig
 from tqstream.errors import InternalError, InvalidRequestError, TQStreamError, UnknownRowError
 from tqstream.protocol import shm
+from tqstream.protocol.auth import Keys, load_keys
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
@@ -124,11 +125,17 @@ async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
 
 class ClientCore:
     def __init__(
-        self, ctx: zmq.Context[Any], controller: Connection, config: ClientConfig, owns_ctx: bool
+        self,
+        ctx: zmq.Context[Any],
+        controller: Connection,
+        config: ClientConfig,
+        owns_ctx: bool,
+        keys: Keys | None = None,
     ) -> None:
         self.ctx = ctx
         self._owns_ctx = owns_ctx
         self.config = config
+        self.keys = keys
         self.controller = controller
         self.unit_addresses: list[str] = self._addresses(controller.welcome)
         self._units: dict[int, asyncio.Task[Connection]] = {}
@@ -147,14 +154,15 @@ class ClientCore:
     ) -> ClientCore:
         """Connect to the controller at ``address``; ``ctx``, when given, is the embedded
         servers' context (needed for ``inproc://`` addresses) and stays open at close."""
+        keys = load_keys(config.keys) if config.keys else None
         own = context() if ctx is None else None
         try:
-            conn = await cls._connect(own or ctx, address, config)  # type: ignore[arg-type]
+            conn = await cls._connect(own or ctx, address, config, keys)  # type: ignore[arg-type]
         except BaseException:
             if own is not None:
                 own.destroy(linger=0)
             raise
-        return cls(own or ctx, conn, config, owns_ctx=own is not None)  # type: ignore[arg-type]
+        return cls(own or ctx, conn, config, own is not None, keys)  # type: ignore[arg-type]
 
     def _addresses(self, welcome: Welcome) -> list[str]:
         """The units' addresses; their inproc ones when we reached the controller in-process."""
@@ -166,13 +174,16 @@ class ClientCore:
         ]
 
     @staticmethod
-    async def _connect(ctx: zmq.Context[Any], address: str, config: ClientConfig) -> Connection:
+    async def _connect(
+        ctx: zmq.Context[Any], address: str, config: ClientConfig, keys: Keys | None
+    ) -> Connection:
         return await Connection.open(
             ctx,
             address,
             connect_timeout=config.connect_timeout,
             heartbeat_interval=config.heartbeat_interval,
             max_message_bytes=config.max_message_bytes,
+            keys=keys,
         )
 
     def _opened(self) -> dict[int, Connection]:
@@ -239,7 +250,7 @@ class ClientCore:
                 f"the controller placed rows on storage unit {index}, but knows "
                 f"only {len(self.unit_addresses)} units"
             )
-        conn = await self._connect(self.ctx, self.unit_addresses[index], self.config)
+        conn = await self._connect(self.ctx, self.unit_addresses[index], self.config, self.keys)
         conn.wake = self._wake
         token = conn.welcome.shm
         if self.config.shared_memory == "auto" and shm.reachable(token):

@@ -17,6 +17,8 @@ import msgspec
 import zmq
 
 from tqstream.errors import InternalError, MalformedMessageError, MessageTooLargeError
+from tqstream.protocol import auth
+from tqstream.protocol.auth import Keys
 from tqstream.protocol.messages import PROTOCOL_VERSION, Hello, Welcome, decode_request, encode
 from tqstream.protocol.transport import (
     _ENDPOINTS,
@@ -80,9 +82,12 @@ class Server:
         inproc_units: Callable[[], list[str]] = lambda: [],
         shm: str = "",
         inproc: bool = False,
+        keys: Keys | None = None,
     ) -> None:
         """``inproc``: also bind an ``inproc://`` endpoint (``inproc_address``) for clients in this
-        process that share ``ctx``; they skip TCP and libzmq's I/O thread."""
+        process that share ``ctx``; they skip TCP and libzmq's I/O thread. ``keys``: the TCP
+        endpoint serves only the cluster's CURVE clients (:mod:`tqstream.protocol.auth`); the
+        inproc one, reachable from this process only, has no handshake."""
         self.name = name
         self.max_message_bytes = max_message_bytes
         self._handler = handler
@@ -94,8 +99,13 @@ class Server:
         self._failure: BaseException | None = None
         self._done: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ctx, self._keys = ctx, keys
+        if keys is not None:
+            auth.admit(ctx, keys)  # before the bind: no handshake may come first
         sock = _socket(ctx, zmq.ROUTER)
         try:
+            if keys is not None:
+                auth.serve_securely(sock, keys)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped
             sock.setsockopt(zmq.SNDHWM, 0)  # at a full pipe ROUTER drops replies: never let it
@@ -108,6 +118,8 @@ class Server:
                 sock.bind(self.inproc_address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            if keys is not None:
+                auth.release(ctx, keys)
             raise OSError(
                 exc.errno, f"the {name} server cannot bind tcp://{host}:{port}: {exc.strerror}"
             ) from exc
@@ -153,6 +165,8 @@ class Server:
         for t in tasks:
             t.cancel()
         self._sock.close(linger=0)
+        if self._keys is not None:
+            auth.release(self._ctx, self._keys)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _drain(self) -> None:
