@@ -44,6 +44,7 @@ from tqstream.errors import (
     UnknownRowError,
 )
 from tqstream.protocol import shm
+from tqstream.protocol.auth import load_keys
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
@@ -110,6 +111,7 @@ class StorageService:
         self.config = config
         self.controller = controller
         self.ctx = ctx or shared_context()
+        self.keys = load_keys(config.keys) if config.keys else None
         self.segments = shm.UnitSegments() if shm.available() else None
         self._dropped: list[int] = []
         self.store = ColumnStore(on_release=self._released)
@@ -122,6 +124,7 @@ class StorageService:
             max_message_bytes=config.max_message_bytes,
             shm=self.segments.token if self.segments else "",
             inproc=inproc,
+            keys=self.keys,
         )
         self.unit: int | None = None
         self._link: Connection | None = None  # to the controller, for stored puts
@@ -144,6 +147,7 @@ class StorageService:
             connect_timeout=ClientConfig.connect_timeout,
             heartbeat_interval=ClientConfig.heartbeat_interval,
             max_message_bytes=self.config.max_message_bytes,
+            keys=self.keys,
         )
         try:
             msg = RegisterUnit(
