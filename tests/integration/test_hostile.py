@@ -78,6 +78,8 @@ CASES = [
     (m.Ack(rid=1, partition="p", task="t", lease_id=-1, row_ids=[0]),
      "Expected `int` >= 0 - at `$.lease_id`"),
     (m.CountRejected(rid=1, partition="p", count=-1), "Expected `int` >= 0 - at `$.count`"),
+    (m.SaveCheckpoint(rid=1, path="/nonexistent/ck", timeout=math.nan),
+     "Expected `float` >= -10000000.0 - at `$.timeout`"),
 ]  # fmt: skip
 
 
