@@ -335,9 +335,12 @@ def _saved(clusters: list[Cluster], path: Path, units: int = 2) -> None:
     clusters[-1].crash()
 
 
-def _empty(c: tqstream.Client) -> None:
+def _as_declared(c: tqstream.Client) -> None:
+    """The cluster as it was before a failed load: partition 'p' declared, empty; no bytes."""
     st = c.stats()
-    assert st.partitions == {} and st.storage_bytes == 0 and all(u.chunks == 0 for u in st.units)
+    assert list(st.partitions) == ["p"] and st.partitions["p"].rows == 0
+    assert st.partitions["p"].tasks_registered == ["T"] and "zzz" in st.partitions["p"].fields
+    assert st.storage_bytes == 0 and all(u.chunks == 0 for u in st.units)
 
 
 def test_damaged_checkpoints_are_refused_and_nothing_is_kept(
@@ -345,6 +348,7 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_kept(
 ) -> None:
     _saved(clusters, tmp_path / "ck")
     c = start(clusters, "embedded", 2)
+    c.create_partition("p", ["zzz"], tasks=["T"])  # declared at start-up: a load replaces it
     manifest = tmp_path / "ck" / "manifest.json"
     original = manifest.read_text()
     manifest.write_text(original.replace('"format": 1', '"format": 99'))
@@ -358,15 +362,20 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_kept(
         c.load_checkpoint(tmp_path / "ck")
     state.write_bytes(raw)
     files = sorted((tmp_path / "ck").glob("unit-*/*.chunks"))
-    assert len(files) == 2  # one per unit: after one unit loaded, the other fails
+    assert len(files) == 2  # one per unit: one loads, the other fails
+    chunks = files[1].read_bytes()
     os.truncate(files[1], files[1].stat().st_size - 1)
     with pytest.raises(tqstream.CheckpointCorruptError, match=r"storage unit 1 .*cut short"):
         c.load_checkpoint(tmp_path / "ck")
-    _empty(c)
+    _as_declared(c)
     files[1].unlink()
     with pytest.raises(tqstream.CheckpointNotFoundError, match="does not exist"):
         c.load_checkpoint(tmp_path / "ck")
-    _empty(c)
+    _as_declared(c)
+    files[1].write_bytes(chunks)
+    assert c.load_checkpoint(tmp_path / "ck").rows == 6
+    st = c.stats().partitions["p"]
+    assert st.rows == 6 and st.tasks_registered == [] and "zzz" not in st.fields
     json.loads(original)  # the manifest is plain JSON
 
 

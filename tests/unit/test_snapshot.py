@@ -8,12 +8,15 @@ from typing import Any
 
 import msgspec
 import pytest
-from test_controller_state import get, new_state, prepare, put, put_fields
+from test_controller_state import get, new_state, prepare, put, put_fields, req
 
+from tqstream.controller import snapshot
 from tqstream.controller.snapshot import (
     ControllerSnapshot,
     FileEntry,
     assign_files,
+    install,
+    replaceable,
     restore,
     take,
 )
@@ -256,9 +259,30 @@ def test_a_partition_created_meanwhile_is_a_clash() -> None:
     snap = saved(build())
     fresh = new_state(2)
     put(fresh, 1, ("a",), partition="q")
-    with pytest.raises(CheckpointError, match=r"'q'.*created while it was loading"):
+    with pytest.raises(CheckpointError, match=r"'q' of the checkpoint were put to while"):
         restore(fresh, snap, assign_files(snap.files, snap.units, 2), 0.0)
     assert list(fresh.partitions) == ["q"] and fresh.partitions["q"].committed == 1
+
+
+def test_empty_partitions_of_the_same_name_are_replaced_unless_put_to_meanwhile() -> None:
+    snap = saved(build())
+    fresh = new_state(2)
+    fresh.create_partition("p", ["a", "zzz"], tasks=["T"])  # declared at start-up, empty
+    handle = object()
+    assert fresh.get_meta(req(("a",), 1, "T"), handle, 0.0) is None  # a get waits on it
+    effects = restore(fresh, snap, assign_files(snap.files, snap.units, 2), 0.0)
+    assert [h for h, _ in effects.failed] == [handle] and not effects.drop_partitions
+    assert "zzz" not in fresh.partitions["p"].bits and fresh.partitions["p"].registered == []
+    assert fresh.stats("p")["p"].rows == 7
+
+    fresh = new_state(2)
+    fresh.create_partition("p", ["a"])
+    empty = replaceable(fresh, snap)  # when the load begins
+    ready = snapshot.prepare(fresh, snap, assign_files(snap.files, snap.units, 2))
+    put(fresh, 1, ("a",))  # a producer, while the units load
+    with pytest.raises(CheckpointError, match="'p' of the checkpoint were put to while it"):
+        install(fresh, ready, 0.0, empty)
+    assert fresh.stats("p")["p"].rows == 1 and "q" not in fresh.partitions
 
 
 def test_groups_are_checked_before_anything_changes() -> None:

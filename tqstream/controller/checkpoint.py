@@ -10,11 +10,12 @@ when every unit answered does the directory replace ``path`` (an older checkpoin
 aside, then removed), so a failed or interrupted save leaves the older checkpoint, never half of
 a new one. The reply comes after all of that.
 
-Load. Into a cluster that holds no rows: the controller reads and checks the state, clears the
-empty partitions of the same names (declared by a client at start-up, say), moves its id counter
-past the checkpoint's, has each unit load its files (``snapshot.assign_files``) and, once all
-did, installs the state in one step. If anything fails the units drop what they loaded: no row
-of the checkpoint is kept. One checkpoint (save or load) runs at a time.
+Load. Into a cluster that holds no rows: the controller reads and checks the state, moves its id
+counter past the checkpoint's, has each unit load its files (``snapshot.assign_files``) and, once
+all did, installs the state in one step, replacing the empty partitions of the same names
+(declared by a client at start-up, say) unless someone put to them meanwhile. If anything fails
+the units drop what they loaded: no row of the checkpoint is kept, and the cluster is as it was.
+One checkpoint (save or load) runs at a time.
 
 The path is on the filesystem of the controller and of every storage unit: with units on several
 hosts, a filesystem they all share (each unit writes and reads its own subdirectory; loading onto
@@ -203,15 +204,16 @@ class Checkpoints:
         s = self.service.state
         try:
             manifest, snap = await in_thread("tqstream-checkpoint-read", _read, path)
-            self._make_room(snap, path)
-            snapshot.reserve_ids(s, snap.next_id)
-            fence = next(s._ids)  # every chunk loaded has a smaller id, every later put a larger
+            empty = self._check_room(snap, path)
             if snap.files and not s.units:
                 raise CheckpointError(
                     f"no storage unit is registered to load the checkpoint at {path} into; start "
                     f"the storage units first"
                 )
             file_units = snapshot.assign_files(snap.files, snap.units, len(s.units))
+            ready = snapshot.prepare(s, snap, file_units)  # a damaged state: before any loading
+            snapshot.reserve_ids(s, snap.next_id)
+            fence = next(s._ids)  # every chunk loaded has a smaller id, every later put a larger
             orders: dict[int, list[str]] = {}
             for f, unit in zip(snap.files, file_units, strict=True):
                 orders.setdefault(unit, []).append(os.path.join(path, f.name))
@@ -228,10 +230,12 @@ class Checkpoints:
                 for unit, result in zip(jobs, results, strict=True):
                     if isinstance(result, BaseException):
                         raise self._unit_failed(unit, f"load its files of {path}", result, path)
-                snapshot.restore(s, snap, file_units, asyncio.get_running_loop().time())
+                now = asyncio.get_running_loop().time()
+                effects = snapshot.install(s, ready, now, empty)  # one step, with the check above
             except BaseException:
                 await asyncio.shield(self._unload(snap, fence))
                 raise
+            self.service._apply(effects)  # gets waiting on a replaced empty partition fail
             self.service._rearm()  # the restored ttls
         finally:
             self.running = None
@@ -245,9 +249,9 @@ class Checkpoints:
         )
         return CheckpointReply(rid=msg.rid, summary=summary)
 
-    def _make_room(self, snap: ControllerSnapshot, path: str) -> None:
-        """Refuse a cluster that holds rows; clear the empty partitions the checkpoint brings
-        (their waiting gets fail with PartitionClearedError)."""
+    def _check_room(self, snap: ControllerSnapshot, path: str) -> snapshot.Replaceable:
+        """Refuse a cluster that holds rows, or an admission of the checkpoint's that granted
+        slots; returns the empty partitions the checkpoint will replace."""
         s = self.service.state
         full = {name: len(p.rows) for name, p in s.partitions.items() if p.rows}
         if full or s.pending:
@@ -266,9 +270,7 @@ class Checkpoints:
                     f"in this cluster and has granted slots; load before producers acquire any",
                     name=entry.name,
                 )
-        for part in snap.partitions:
-            if part.name in s.partitions:
-                self.service._apply(s.clear_partition(part.name))
+        return snapshot.replaceable(s, snap)
 
     async def _unload(self, snap: ControllerSnapshot, fence: int) -> None:
         """Have every unit drop what it loaded of the checkpoint (chunk ids below ``fence``); a

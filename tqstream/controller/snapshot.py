@@ -8,21 +8,24 @@ in flight is left out, because the processes it belongs to do not survive a rest
 puts and ``put_fields`` (their rows, fields and bytes), leases (their rows are saved available),
 parked gets and acquires. A ttl keeps the time it had left.
 
-:func:`restore` checks a snapshot read back from disk before it changes anything (a checkpoint
-that is not self-consistent raises ``CheckpointCorruptError``), then installs it. Row ids, keys and
-the id counter (leases, puts, chunks) continue after the saved ones, so nothing issued later can
-collide with a restored name; views are rebuilt lazily by the first get that needs them.
+:func:`prepare` checks a snapshot read back from disk and builds its state without changing
+anything (a checkpoint that is not self-consistent raises ``CheckpointCorruptError``), before the
+storage units load a byte; :func:`install` puts it in place in one step once they did. Row ids,
+keys and the id counter (leases, puts, chunks) continue after the saved ones, so nothing issued
+later can collide with a restored name; views are rebuilt lazily by the first get that needs
+them.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
 from tqstream.controller.admission import Admission, make_admission
 from tqstream.controller.partition import Group, Partition, Row, TaskState
+from tqstream.controller.records import Effects
 from tqstream.controller.state import ControllerState
 from tqstream.errors import AdmissionError, CheckpointCorruptError, CheckpointError
 from tqstream.types import FieldSchema
@@ -31,8 +34,12 @@ __all__ = [
     "FORMAT",
     "ControllerSnapshot",
     "FileEntry",
+    "Prepared",
     "Taken",
     "assign_files",
+    "install",
+    "prepare",
+    "replaceable",
     "reserve_ids",
     "restore",
     "take",
@@ -263,15 +270,39 @@ def reserve_ids(state: ControllerState, next_id: int) -> None:
     state._ids = itertools.count(max(next(state._ids), next_id))
 
 
-def restore(
-    state: ControllerState, snap: ControllerSnapshot, file_units: list[int], now: float
-) -> None:
-    """Install ``snap`` (its rows on the units ``file_units`` gave each file) into ``state``.
+class Prepared:
+    """A checked snapshot, its partitions and admissions built, ready for :func:`install`."""
 
-    Everything is checked first: a snapshot that is not self-consistent raises
-    ``CheckpointCorruptError``, a partition of the checkpoint that exists now or an admission of
-    the same name that has granted slots raises ``CheckpointError``, and ``state`` is unchanged.
-    """
+    def __init__(
+        self,
+        snap: ControllerSnapshot,
+        partitions: list[tuple[Partition, list[TtlEntry]]],
+        admissions: list[Admission],
+    ) -> None:
+        self.snap, self.partitions, self.admissions = snap, partitions, admissions
+
+
+Replaceable = Mapping[str, tuple[Partition, int]]
+"""Partitions of a checkpoint's names that were empty when its load began, with their next row
+id then: a load replaces them if nobody put to them since."""
+
+
+def replaceable(
+    state: ControllerState, snap: ControllerSnapshot
+) -> dict[str, tuple[Partition, int]]:
+    """The partitions of ``snap``'s names that ``state`` holds now (call when the load begins and
+    the cluster holds no rows)."""
+    names = [e.name for e in snap.partitions]
+    return {
+        n: (state.partitions[n], state.partitions[n].next_row)
+        for n in names
+        if n in state.partitions
+    }
+
+
+def prepare(state: ControllerState, snap: ControllerSnapshot, file_units: list[int]) -> Prepared:
+    """Check ``snap`` (its rows on the units ``file_units`` gave each file) and build its state,
+    changing nothing: a snapshot that is not self-consistent raises ``CheckpointCorruptError``."""
     unit_of: dict[tuple[str, int], int] = {}
     for f, unit in zip(snap.files, file_units, strict=True):
         if not 0 <= unit < len(state.units):
@@ -281,25 +312,58 @@ def restore(
                 raise _corrupt(f"row {rid} of partition {f.partition!r} is in two files")
             unit_of[f.partition, rid] = unit
     built = [_build(entry, unit_of) for entry in snap.partitions]
-    clash = [p.name for p, _ in built if p.name in state.partitions]
+    return Prepared(snap, built, [_admission(entry) for entry in snap.admissions])
+
+
+def install(state: ControllerState, ready: Prepared, now: float, empty: Replaceable) -> Effects:
+    """Install a prepared snapshot in one step. A partition of the checkpoint's names must not
+    exist, or be one of ``empty`` that nobody has put to since: it is then replaced (cleared: the
+    returned effects fail its waiting gets). An admission of the same name must not have granted
+    slots. Otherwise ``CheckpointError``, and ``state`` is unchanged."""
+    clash = []
+    for p, _ in ready.partitions:
+        now_p, was = state.partitions.get(p.name), empty.get(p.name)
+        if now_p is not None and (was is None or was != (now_p, now_p.next_row) or now_p.rows):
+            clash.append(p.name)
     if clash:
         raise CheckpointError(
-            f"partition(s) {', '.join(map(repr, clash))} of the checkpoint were created while it "
+            f"partition(s) {', '.join(map(repr, clash))} of the checkpoint were put to while it "
             f"was loading; nothing of the checkpoint was kept: clear them and load again",
             partitions=clash,
         )
-    admissions = [_admission(entry, state) for entry in snap.admissions]
-    for p, ttls in built:
+    for entry in ready.snap.admissions:
+        existing = state.admissions.get(entry.name)
+        if existing is not None and existing[0].state()["granted"]:
+            raise CheckpointError(
+                f"admission {entry.name!r} of the checkpoint exists in this cluster and has "
+                f"granted slots; load the checkpoint before producers acquire any",
+                name=entry.name,
+            )
+    effects = Effects()
+    for p, ttls in ready.partitions:
+        if p.name in state.partitions:  # empty since before the load: nothing of it on the units
+            replaced = state.clear_partition(p.name)
+            replaced.drop_partitions.clear()  # which would drop the chunks just loaded
+            effects.extend(replaced)
         state.partitions[p.name] = p
         for r in p.rows.values():
             state.unit_bytes[r.unit] += r.nbytes
         for t in ttls:
             state._at(now + t.left, "ttl", (p, list(t.rows)))
-    for entry, adm in zip(snap.admissions, admissions, strict=True):
+    for entry, adm in zip(ready.snap.admissions, ready.admissions, strict=True):
         state.admissions[entry.name] = (adm, entry.style, dict(entry.config))
-    for name, first in snap.next_rows.items():
+    for name, first in ready.snap.next_rows.items():
         state._next_rows[name] = max(state._next_rows.get(name, 0), first)
-    reserve_ids(state, snap.next_id)
+    reserve_ids(state, ready.snap.next_id)
+    return effects
+
+
+def restore(
+    state: ControllerState, snap: ControllerSnapshot, file_units: list[int], now: float
+) -> Effects:
+    """:func:`prepare` and :func:`install` at once, replacing the empty partitions of ``state``
+    of the checkpoint's names."""
+    return install(state, prepare(state, snap, file_units), now, replaceable(state, snap))
 
 
 def _corrupt(problem: str) -> CheckpointCorruptError:
@@ -360,14 +424,7 @@ def _build(
     return p, list(e.ttl_left)
 
 
-def _admission(entry: AdmissionEntry, state: ControllerState) -> Admission:
-    existing = state.admissions.get(entry.name)
-    if existing is not None and existing[0].state()["granted"]:
-        raise CheckpointError(
-            f"admission {entry.name!r} of the checkpoint exists already and has granted slots; "
-            f"load the checkpoint into a fresh cluster (or before any producer acquires a slot)",
-            name=entry.name,
-        )
+def _admission(entry: AdmissionEntry) -> Admission:
     try:
         adm = make_admission(entry.style, **entry.config)
         adm.restore(entry.counters, entry.live)
