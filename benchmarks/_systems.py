@@ -430,17 +430,23 @@ class RayActorQueue(System):
 class TQStream(TaskSystem):
     """tqstream, embedded (controller + 1 storage unit in this process) or as processes."""
 
-    def __init__(self, name: str, deployment: str, shared_memory: str) -> None:
+    def __init__(self, name: str, deployment: str, shared_memory: str, replicas: int = 1) -> None:
         self.name = name
         self.deployment = deployment
         self.shared_memory = shared_memory
+        self.replicas = replicas
         self.mode = f"{deployment}, shared_memory={shared_memory}"
         self.partition = ""
         where = (
             "embedded: controller + 1 storage unit on the benchmark process's loop thread, reached "
             "over inproc://; chunks of 1 MiB or more through /dev/shm, smaller ones as frames"
             if deployment == "embedded"
-            else "ProcessCluster: controller + 1 storage unit as child processes"
+            else (
+                "ProcessCluster: controller + 1 storage unit as child processes"
+                if replicas == 1
+                else f"ProcessCluster: controller + 2 storage units, replicas={replicas} (every "
+                "row stored on both)"
+            )
             + (
                 ", chunks of 1 MiB or more through /dev/shm, smaller ones over TCP"
                 if shared_memory == "auto"
@@ -460,7 +466,9 @@ class TQStream(TaskSystem):
         if self.deployment == "embedded":
             self.client = tqstream.init(storage_units=1, client_config=config)
         else:
-            self.cluster = tqstream.ProcessCluster(storage_units=1)
+            self.cluster = tqstream.ProcessCluster(
+                storage_units=self.replicas, replicas=self.replicas
+            )
             self.client = tqstream.connect(self.cluster.address, config=config)
 
     def close(self) -> None:
@@ -644,6 +652,7 @@ SYSTEMS = (
     "tqstream-embedded",
     "tqstream-procs-tcp",
     "tqstream-procs-shm",
+    "tqstream-replicas",
     "memcpy",
     "zmq-ipc",
     "zmq-tcp",
@@ -661,6 +670,8 @@ def make_system(name: str) -> System:
         return TQStream(name, "procs", "auto")
     if name == "tqstream-procs-tcp":
         return TQStream(name, "procs", "off")
+    if name == "tqstream-replicas":
+        return TQStream(name, "procs", "auto", replicas=2)
     if name == "memcpy":
         return Memcpy()
     if name in ("zmq-ipc", "zmq-tcp"):

@@ -52,7 +52,13 @@ from benchmarks._workload import (
     make_trajectories,
 )
 
-BENCH_SYSTEMS = ("tqstream-embedded", "tqstream-procs-shm", "ray-actor-queue", "transferqueue")
+BENCH_SYSTEMS = (
+    "tqstream-embedded",
+    "tqstream-procs-shm",
+    "tqstream-replicas",
+    "ray-actor-queue",
+    "transferqueue",
+)
 TASK = "consumer"
 POLL = 1.0  # seconds a consumer waits for a batch before checking that every producer is alive
 RAY_NAMESPACE = "tqstream-bench"

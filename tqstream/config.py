@@ -31,6 +31,9 @@ class ControllerConfig:
     """Largest message accepted; larger ones get a MessageTooLargeError reply."""
     storage_timeout: float = 30.0
     """Seconds to wait for a storage unit to answer a drop or stats request."""
+    replicas: int = 1
+    """Copies kept of each row, on distinct storage units (1 or 2); a partition can set its own
+    (``create_partition(..., replicas=2)``). With 2, losing one unit loses no row."""
 
 
 @dataclasses.dataclass(frozen=True)

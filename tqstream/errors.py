@@ -38,11 +38,13 @@ __all__ = [
     "PartitionClearedError",
     "PartitionClosedError",
     "PartitionDrainedError",
+    "PlacementRequiredError",
     "ProtocolError",
     "ProtocolVersionError",
     "RequestTimeoutError",
     "SchemaError",
     "TQStreamError",
+    "UnitLostError",
     "UnknownFieldError",
     "UnknownKeyError",
     "UnknownLeaseError",
@@ -235,6 +237,20 @@ class ConnectionLostError(TQStreamError, ConnectionError):
     """The connection to a server dropped while requests were in flight."""
 
     code = "connection_lost"
+
+
+class UnitLostError(TQStreamError, ConnectionError):
+    """A storage unit died or became unreachable: the rows it held alone are lost (counted as
+    ``lost`` in stats), and a request that needed them fails with this error naming the unit."""
+
+    code = "unit_lost"
+
+
+class PlacementRequiredError(TQStreamError, RuntimeError):
+    """A put sent straight to a storage unit must be placed by the controller instead (its
+    partition keeps two copies of every row). The client retries it placed by itself."""
+
+    code = "placement_required"
 
 
 class ClosedError(TQStreamError, RuntimeError):

@@ -70,6 +70,7 @@ class BatchMeta(msgspec.Struct, frozen=True):
     dispatch_version: list[int | None] = msgspec.field(default_factory=list)
     stale_dropped: int = 0  # rows this request evicted as stale (on_stale="drop")
     rejected: int = 0  # rows of this put refused (reject_mixed_versions)
+    replicas: list[int] = []  # per row, the unit holding its second copy (-1: none); [] if none
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -96,6 +97,7 @@ class BatchMeta(msgspec.Struct, frozen=True):
             dispatch_version=[self.dispatch_version[i] for i in idx]
             if self.dispatch_version
             else [],
+            replicas=[self.replicas[i] for i in idx] if self.replicas else [],
         )
 
 
@@ -107,6 +109,7 @@ class TaskStats(msgspec.Struct, frozen=True):
     acked: int
     stale_dropped: int = 0
     lag: dict[int, int] = {}  # version lag at consumption (ack) -> rows
+    lost: int = 0  # rows lost with a storage unit before this task acked them
 
 
 class PartitionStats(msgspec.Struct, frozen=True):
@@ -123,6 +126,8 @@ class PartitionStats(msgspec.Struct, frozen=True):
     freed: int = 0  # rows freed once every registered task acked them
     tasks_registered: list[str] = []
     producers_open: int = 1  # producers that have not closed it yet; 0: closed, no new rows
+    lost: int = 0  # rows lost with a storage unit that held their only copy
+    replicas: int = 1  # copies kept of each row
 
 
 class UnitStats(msgspec.Struct, frozen=True):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -24,9 +25,10 @@ from tqstream.protocol.messages import Ok, PreparePut, PutPlan, Store
 
 
 async def _prepare_and_store_without_commit(
-    address: str, unit_addresses: list[str], partition: str
-) -> None:
-    """Do what a client does for a put, then 'die' before the commit."""
+    address: str, unit_addresses: list[str], partition: str, stay: bool = False
+) -> Any:
+    """Do what a client does for a put, then stop before the commit: hang up, or (``stay``) stay
+    connected without a word (the caller keeps what is returned, then destroys its context)."""
     import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
@@ -40,8 +42,10 @@ async def _prepare_and_store_without_commit(
         timeout=5,
     )
     assert isinstance(plan, PutPlan)
+    held = [ctx, ctrl]
     for seg in plan.segments:
         unit = await Connection.open(ctx, unit_addresses[seg.unit], **kw)
+        held.append(unit)
         ref, bufs = column_to_wire("x", cols["x"].slice(seg.start, seg.stop), 1)
         reply, _ = await unit.request(
             Store(
@@ -55,24 +59,63 @@ async def _prepare_and_store_without_commit(
             timeout=5,
         )
         assert isinstance(reply, Ok)
-        unit.close()
+        if not stay:
+            unit.close()
+    if stay:
+        return held  # the sockets stay open: libzmq's I/O thread keeps answering heartbeats
     ctrl.close()
     ctx.destroy(linger=0)
+    return None
 
 
-def test_uncommitted_put_is_rolled_back_at_put_timeout(
+def test_uncommitted_put_of_a_connected_client_is_rolled_back_at_put_timeout(
     client: tqstream.Client, partition: str
 ) -> None:
     base = client.stats().storage_bytes
     units = client.stats().units
     client.put({"x": torch.zeros(1, 1000)}, partition)  # the partition exists, 1 row
     addresses = [u.address for u in units]
+    held = asyncio.run(
+        _prepare_and_store_without_commit(client.address, addresses, partition, stay=True)
+    )
+    try:
+        _rolled_back_within(client, partition, base, PUT_TIMEOUT + 5)
+    finally:
+        held[0].destroy(linger=0)
+
+
+def test_uncommitted_put_of_a_client_that_hangs_up_is_rolled_back_at_once(
+    client: tqstream.Client, partition: str
+) -> None:
+    base = client.stats().storage_bytes
+    client.put({"x": torch.zeros(1, 1000)}, partition)
+    addresses = [u.address for u in client.stats().units]
     asyncio.run(_prepare_and_store_without_commit(client.address, addresses, partition))
+    t0 = time.monotonic()
+    _rolled_back_within(client, partition, base, 5.0, pending_seen=False)
+    assert time.monotonic() - t0 < PUT_TIMEOUT  # the disconnect, not the put timeout
+
+
+def _rolled_back_within(
+    client: tqstream.Client, partition: str, base: int, limit: float, pending_seen: bool = True
+) -> None:
     st = client.stats(partition).partitions[partition]
+    if not pending_seen:  # gone already, or going
+        deadline = time.monotonic() + limit
+        while st.pending_puts and time.monotonic() < deadline:
+            time.sleep(0.05)
+            st = client.stats(partition).partitions[partition]
+        assert st.pending_puts == 0 and st.rows == 1
+        client.clear_partition(partition)
+        deadline = time.monotonic() + 5
+        while client.stats().storage_bytes != base and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats().storage_bytes == base
+        return
     assert st.pending_puts == 1 and st.rows == 1  # invisible to readers
     with pytest.raises(tqstream.RequestTimeoutError, match="1 of 2 rows ready; 8 rows still"):
         client.get_meta(partition, "x", 2, "t", timeout=0)
-    deadline = time.monotonic() + PUT_TIMEOUT + 5
+    deadline = time.monotonic() + limit
     while (
         client.stats(partition).partitions[partition].pending_puts and time.monotonic() < deadline
     ):
@@ -185,7 +228,7 @@ def test_storage_unit_death_fails_get_data_promptly() -> None:
             os.kill(cluster.procs[1].pid, signal.SIGKILL)
             cluster.procs[1].wait()
             t0 = time.monotonic()
-            with pytest.raises((tqstream.ConnectionLostError, tqstream.ConnectError)):
+            with pytest.raises(tqstream.UnitLostError, match=r"storage unit 0 at .* 3 rows of"):
                 c.get_data(meta)
             assert time.monotonic() - t0 < 10
     finally:

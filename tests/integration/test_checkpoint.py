@@ -205,8 +205,9 @@ def test_registered_tasks_admissions_ttl_and_closes_come_back(
     assert c.clear_partition("t") and c.stats().storage_bytes == 0
 
 
-async def _store_without_commit(address: str, units: list[str]) -> None:
-    """A producer that stored a put's chunks and died before the commit."""
+async def _store_without_commit(address: str, units: list[str], meanwhile: Any) -> Any:
+    """A producer that stored a put's chunks and has not committed it while ``meanwhile()`` runs
+    (on a thread); the put is rolled back when its connection closes."""
     import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
@@ -227,28 +228,31 @@ async def _store_without_commit(address: str, units: list[str]) -> None:
         reply, _ = await unit.request(store, bufs, timeout=5)
         assert isinstance(reply, Ok)
         unit.close()
-    ctrl.close()
-    ctx.destroy(linger=0)
+    try:
+        return await asyncio.to_thread(meanwhile)
+    finally:
+        ctrl.close()
+        ctx.destroy(linger=0)
 
 
 def test_a_put_in_flight_is_not_in_the_checkpoint(clusters: list[Cluster], tmp_path: Path) -> None:
     c = start(clusters, "processes", 2)
     c.put({"tokens": torch.ones(2, 10, dtype=torch.int64)}, "train", keys=["a", "b"])
     units = [u.address for u in c.stats().units]
-    asyncio.run(_store_without_commit(c.address, units))
-    assert c.stats("train").partitions["train"].pending_puts == 1
-    summary = c.save_checkpoint(tmp_path / "ck")
+
+    def save() -> tqstream.CheckpointSummary:
+        assert c.stats("train").partitions["train"].pending_puts == 1
+        return c.save_checkpoint(tmp_path / "ck")
+
+    summary = asyncio.run(_store_without_commit(c.address, units, save))
     assert summary.rows == 2
     clusters[-1].crash()
     c = start(clusters, "processes", 2)
     c.load_checkpoint(tmp_path / "ck")
     assert sorted(c.list_keys("train")) == ["a", "b"]
     assert c.stats().storage_bytes == 2 * 10 * 8
-    c.put(
-        {"tokens": torch.zeros(4, 10, dtype=torch.int64)},
-        "train",
-        keys=[f"lost{i}" for i in range(4)],
-    )  # fmt: skip  (the producer puts them again)
+    lost = [f"lost{i}" for i in range(4)]
+    c.put({"tokens": torch.zeros(4, 10, dtype=torch.int64)}, "train", keys=lost)  # put again
 
 
 def test_saving_while_producers_and_consumers_run(clusters: list[Cluster], tmp_path: Path) -> None:
@@ -397,3 +401,27 @@ def test_a_unit_that_dies_fails_the_save_and_the_old_checkpoint_stays(
     clusters[-1].crash()
     c = start(clusters, "embedded", 2)
     assert c.load_checkpoint(tmp_path / "ck").rows == 4
+
+
+def test_rows_kept_twice_are_restored_twice(clusters: list[Cluster], tmp_path: Path) -> None:
+    """A partition with replicas=2 gets both copies back: after the load, killing a storage unit
+    loses no row."""
+    c = start(clusters, "processes", 2)
+    c.create_partition("r", ["x"], replicas=2)
+    for i in range(4):
+        c.put({"x": torch.full((3, 8), float(i))}, "r")
+    summary = c.save_checkpoint(tmp_path / "ck")
+    assert summary.rows == 12
+    clusters[-1].crash()
+    c = start(clusters, "processes", 3)
+    c.load_checkpoint(tmp_path / "ck")
+    meta = c.get_meta("r", "x", 12, "t", timeout=5)
+    assert all(r >= 0 and r != u for u, r in zip(meta.units, meta.replicas, strict=True))
+    procs = clusters[-1].procs
+    assert procs is not None
+    victim = c.stats().units[meta.units[0]].address
+    procs.procs[1 + procs.unit_addresses.index(victim)].kill()
+    x = c.get_data(meta)["x"]  # from the copies
+    assert sorted(x[:, 0].tolist()) == sorted(float(i) for i in range(4) for _ in range(3))
+    c.ack(meta)
+    assert c.stats("r").partitions["r"].lost == 0

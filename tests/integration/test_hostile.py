@@ -140,7 +140,10 @@ def _nasty(tp: Any) -> st.SearchStrategy[Any]:
         return st.dictionaries(st.just("a"), st.just(F32), max_size=1)
     if isinstance(info, msgspec.inspect.VarTupleType):
         return st.lists(_nasty(info.item_type), max_size=2).map(tuple)
-    return st.just(F32)  # FieldSchema and other structs: a valid one
+    if isinstance(info, msgspec.inspect.StructType) and info.cls is not FieldSchema:
+        parts = {f.name: _nasty(f.type) for f in info.fields}  # nested: ColumnRef, Region, ...
+        return st.fixed_dictionaries(parts).map(lambda kw: info.cls(**kw))
+    return st.just(F32)  # a FieldSchema: a valid one
 
 
 # requests a client sends (a storage unit's registration and PutStored are unit-to-controller)
@@ -179,3 +182,33 @@ def test_the_controller_answers_every_extreme_request_and_stays_small(
     with tqstream.connect(cluster.address) as client:
         assert "p" in client.stats().partitions  # still serving
     assert rss_mib(cluster.procs[0].pid) < 1024
+
+
+# requests a storage unit serves (from clients, and from the controller: drops and resets)
+UNIT_REQUESTS = [
+    m.Store, m.Fetch, m.PutRows, m.DropRows, m.DropChunks, m.DropPartition, m.ResetUnit,
+    m.GetUnitStats, m.LoadUnit,
+]  # fmt: skip
+
+
+@st.composite
+def unit_requests(draw: st.DrawFn) -> Any:
+    cls = draw(st.sampled_from(UNIT_REQUESTS))
+    fields = {f.name: draw(_nasty(f.type)) for f in msgspec.inspect.type_info(cls).fields}
+    fields["rid"] = 1
+    return _build(cls, fields)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(msgs=st.lists(unit_requests(), min_size=1, max_size=4))
+def test_a_storage_unit_answers_every_extreme_request_and_stays_small(
+    cluster: Any, msgs: list[Any]
+) -> None:
+    raw = Raw(cluster.unit_addresses[0])
+    try:
+        for msg in msgs:
+            raw.ask(msg, timeout=30.0)  # an answer, never silence, and the unit lives on
+        assert isinstance(raw.ask(m.GetUnitStats(rid=2)), m.UnitStatsReply)
+    finally:
+        raw.close()
+    assert rss_mib(cluster.procs[1].pid) < 1024

@@ -242,21 +242,26 @@ def test_loop_without_add_reader_uses_the_io_thread(address: str) -> None:
 
 
 def test_a_failed_get_on_a_lane_gives_its_lease_back() -> None:
-    """The fetch of a sync get fails (its storage unit died): the lease is released through the
-    IO thread at once, not at the lane's next call or at lease expiry."""
-    with ProcessCluster(1) as cluster:
-        cfg = tqstream.ClientConfig(connect_timeout=2.0)
+    """The fetch of a sync get fails (one of its storage units froze): the lease is released
+    through the IO thread at once, not at the lane's next call or at lease expiry."""
+    with ProcessCluster(2) as cluster:
+        cfg = tqstream.ClientConfig(connect_timeout=2.0, heartbeat_interval=0.2)
         with tqstream.connect(cluster.address, cfg) as client:
-            client.put({"x": torch.arange(4)}, "dead-unit")
-            cluster.procs[1].kill()
-            cluster.procs[1].wait()
-            with pytest.raises((tqstream.ConnectionLostError, tqstream.ConnectError)):
-                client.get("dead-unit", "x", 4, "t", lease_timeout=300)
-            # the rows are available to the task again long before the lease would expire (asked
-            # by another client: this thread's lane does not run until its next call)
-            with tqstream.connect(cluster.address, cfg) as other:
-                meta = other.get_meta("dead-unit", "x", 4, "t", timeout=5)
-                assert len(meta) == 4
+            for _ in range(2):  # small puts go to the units in turn: one on each
+                client.put({"x": torch.arange(4)}, "dead-unit")
+            assert sorted(u.rows for u in client.stats().units) == [4, 4]
+            frozen = cluster.procs[2]
+            os.kill(frozen.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(tqstream.UnitLostError, match=r"storage unit \d at "):
+                    client.get("dead-unit", "x", 8, "t", lease_timeout=300)
+                # the rows are available to the task again long before the lease would expire
+                # (asked by another client: this thread's lane does not run until its next call)
+                with tqstream.connect(cluster.address, cfg) as other:
+                    meta = other.get_meta("dead-unit", "x", 4, "t", timeout=5)
+                    assert len(meta) == 4
+            finally:
+                os.kill(frozen.pid, signal.SIGCONT)
 
 
 # A sync call's request waits for its reply on the caller's thread, polling its sockets (no loop

@@ -210,7 +210,7 @@ class ControllerMachine(RuleBasedStateMachine):
             for n, p in s.partitions.items()
         }
         leases = {i: (x.task, set(x.rows), x.deadline) for i, x in s.leases.items()}
-        return (s.stats(None), list(s.unit_bytes), parts, sorted(s.pending), leases)
+        return (s.stats(None), list(s.units.bytes), parts, sorted(s.pending), leases)
 
     def some_partition(self, data: st.DataObject) -> str:
         """Mostly an existing partition; now and then any (to create one, or to be refused)."""
@@ -901,8 +901,8 @@ class ControllerMachine(RuleBasedStateMachine):
 
     @invariant()
     def bytes_are_exact(self) -> None:
-        assert all(b >= 0 for b in self.s.unit_bytes), f"negative bytes {self.s.unit_bytes}"
-        assert self.s.unit_bytes == self.bytes
+        assert all(b >= 0 for b in self.s.units.bytes), f"negative bytes {self.s.units.bytes}"
+        assert self.s.units.bytes == self.bytes
 
     @invariant()
     def stats_and_leases_match(self) -> None:
@@ -995,7 +995,7 @@ class ControllerMachine(RuleBasedStateMachine):
             s.abort(put_id)
         for name in list(s.partitions):
             s.clear_partition(name)
-        assert s.unit_bytes == [0] * UNITS, f"bytes left after clearing: {s.unit_bytes}"
+        assert s.units.bytes == [0] * UNITS, f"bytes left after clearing: {s.units.bytes}"
 
 
 ControllerMachine.TestCase.settings = settings(

@@ -113,7 +113,7 @@ def get(s: ControllerState, *args: Any, now: float = 0.0, handle: Any = None, **
 def snapshot(s: ControllerState) -> Any:
     return (
         s.stats(None),
-        list(s.unit_bytes),
+        list(s.units.bytes),
         {n: sorted(p.bits.items()) for n, p in s.partitions.items()},
         {n: dict(p.keys) for n, p in s.partitions.items()},
         {
@@ -156,7 +156,7 @@ def test_put_plan_covers_every_row_once() -> None:
     for a, b in itertools.pairwise(plan.segments):
         assert a.stop == b.start
     assert len({seg.unit for seg in plan.segments}) == 3
-    assert sum(s.unit_bytes) == (3 * (64 << 20)) // 7 * 7
+    assert sum(s.units.bytes) == (3 * (64 << 20)) // 7 * 7
 
 
 def test_abort_leaves_no_rows_keys_groups_schemas_or_bytes() -> None:
@@ -166,7 +166,7 @@ def test_abort_leaves_no_rows_keys_groups_schemas_or_bytes() -> None:
     plan = prepare(
         s, 3, ("a", "new"), keys=["k0", "k1", "k2"], groups=["g", "g", None], group_size=3
     )
-    assert sum(s.unit_bytes) == 40
+    assert sum(s.units.bytes) == 40
     effects = s.abort(plan.put_id)
     assert {c for chunks in effects.drop_chunks.values() for c in chunks} == {
         seg.chunk for seg in plan.segments
@@ -175,7 +175,7 @@ def test_abort_leaves_no_rows_keys_groups_schemas_or_bytes() -> None:
     assert s.stats("p")["p"].rows == 1
     assert "new" not in s.stats("p")["p"].schemas
     assert "g" not in s.partitions["p"].groups
-    assert sum(s.unit_bytes) == 10
+    assert sum(s.units.bytes) == 10
     # the keys, the group name and the field name are free again, with another schema
     put(s, 2, {"a": F32, "new": I64}, keys=["k0", "k1"], groups=["g", "g"])
     assert s.partitions["p"].groups["g"].size == 2
@@ -193,7 +193,7 @@ def test_put_expires_at_put_timeout_and_late_commit_fails() -> None:
         seg.chunk for seg in plan.segments
     ]
     assert s.stats("p")["p"].rows == 0 and s.stats("p")["p"].pending_puts == 0
-    assert s.unit_bytes == [0, 0]
+    assert s.units.bytes == [0, 0]
     assert s.stats("p")["p"].schemas == {}
     with pytest.raises(RequestTimeoutError) as err:
         s.commit(plan.put_id, PUT + 1)
@@ -357,7 +357,7 @@ def test_refused_put_to_a_new_partition_creates_nothing() -> None:
     with pytest.raises(GroupError):
         prepare(s, 2, groups=["g", "g"], group_size=1, partition="fresh")
     assert s.stats(None) == {}
-    assert s.unit_bytes == [0, 0]
+    assert s.units.bytes == [0, 0]
     with pytest.raises(UnknownPartitionError):
         get(s, partition="fresh")
 
@@ -877,9 +877,9 @@ def test_clear_samples_removes_rows_for_every_task() -> None:
     assert task_stats(s, "critic") == (2, 0, 0)
     assert s.ack("p", "actor", a.lease_id, a.row_ids) == 1  # the cleared row is ignored
     assert s.ack("p", "critic", c.lease_id, c.row_ids) == 0  # acked before, row cleared since
-    assert sum(s.unit_bytes) == 20
+    assert sum(s.units.bytes) == 20
     s.clear_samples("p", [1, 3])
-    assert s.unit_bytes == [0, 0]
+    assert s.units.bytes == [0, 0]
     with pytest.raises(UnknownKeyError):
         s.get_by_keys("p", ["w"], None)
     put(s, 1, keys=["w"])  # the key is free again
@@ -907,7 +907,7 @@ def test_clear_partition_fails_parked_and_cancels_puts() -> None:
     err = effects.failed[0][1]
     assert isinstance(err, PartitionClearedError)
     assert str(err) == "partition 'p' was cleared while this get_meta waited"
-    assert s.unit_bytes == [0, 0]
+    assert s.units.bytes == [0, 0]
     assert "p" not in s.stats(None)
     meta, effects = s.commit(plan.put_id, 1.0)
     assert meta is None
@@ -924,7 +924,7 @@ def test_clear_partition_fails_parked_and_cancels_puts() -> None:
     assert sorted(c for cs in effects.drop_chunks.values() for c in cs) == [
         seg.chunk for seg in fields_plan.segments
     ]
-    assert s.unit_bytes == [0, 0]
+    assert s.units.bytes == [0, 0]
     assert s.ack("p", "actor", m.lease_id, m.row_ids) == 0  # lease ended 'cleared'
     effects = s.clear_partition("p")  # clearing again, like a second ack, is harmless
     assert effects == Effects() and "p" not in s.partitions
@@ -948,13 +948,13 @@ def test_put_fields_rolled_back_after_its_rows_were_cleared_keeps_bytes_exact() 
     s = new_state(units=1)
     meta = put(s, 2)  # 20 bytes
     plan = put_fields(s, meta.row_ids, commit=False, nbytes=10)  # 5 bytes per row
-    assert s.unit_bytes == [30]
+    assert s.units.bytes == [30]
     s.clear_samples("p", meta.row_ids[:1])
-    assert s.unit_bytes == [15]
+    assert s.units.bytes == [15]
     s.abort(plan.put_id)
-    assert s.unit_bytes == [10]
+    assert s.units.bytes == [10]
     s.clear_samples("p", meta.row_ids[1:])
-    assert s.unit_bytes == [0]
+    assert s.units.bytes == [0]
 
 
 def test_put_fields_expired_after_its_rows_were_cleared_keeps_bytes_exact() -> None:
@@ -962,9 +962,9 @@ def test_put_fields_expired_after_its_rows_were_cleared_keeps_bytes_exact() -> N
     meta = put(s, 2)
     put_fields(s, meta.row_ids, commit=False, nbytes=10)
     s.clear_samples("p", meta.row_ids)
-    assert s.unit_bytes == [0]
+    assert s.units.bytes == [0]
     s.expire(PUT)
-    assert s.unit_bytes == [0]
+    assert s.units.bytes == [0]
 
 
 def test_put_fields_committed_after_its_rows_were_cleared() -> None:
@@ -977,7 +977,7 @@ def test_put_fields_committed_after_its_rows_were_cleared() -> None:
     assert effects.drop_rows == {0: {"p": [meta.row_ids[0]]}}
     assert s.stats("p")["p"].fields == {"a": 1, "b": 1}
     s.clear_samples("p", meta.row_ids)
-    assert s.unit_bytes == [0]
+    assert s.units.bytes == [0]
 
 
 def test_stats_shape() -> None:
@@ -1016,7 +1016,7 @@ def test_a_stored_put_lands_on_its_unit_committed_and_leaves_no_deadline() -> No
     assert parked is None
     reply = s.put_stored(stored_req(2, nbytes=16), 2, 0.0)
     assert reply is not None and reply.meta.units == [2, 2] and reply.meta.row_ids == [0, 1]
-    assert s.unit_bytes == [0, 0, 16] and not s.pending
+    assert s.units.bytes == [0, 0, 16] and not s.pending
     # no put_timeout to watch for a put committed in the same step (only the lease just given)
     assert [kind for _, _, kind, _ in s._deadlines] == ["lease"]
     ((handle, meta),) = s.take_effects().served  # the parked reader got the rows at once
@@ -1026,12 +1026,12 @@ def test_a_stored_put_lands_on_its_unit_committed_and_leaves_no_deadline() -> No
 def test_a_refused_stored_put_changes_nothing() -> None:
     s = new_state()
     s.put_stored(stored_req(1, keys=["k"]), 0, 0.0)
-    before = (dict(s.partitions["p"].rows), list(s.unit_bytes))
+    before = (dict(s.partitions["p"].rows), list(s.units.bytes))
     with pytest.raises(DuplicateKeyError):
         s.put_stored(stored_req(1, keys=["k"]), 1, 0.0)
     with pytest.raises(InvalidRequestError, match="storage unit 5 is not registered"):
         s.put_stored(stored_req(1), 5, 0.0)
-    assert (dict(s.partitions["p"].rows), list(s.unit_bytes)) == before
+    assert (dict(s.partitions["p"].rows), list(s.units.bytes)) == before
 
 
 def test_a_stored_put_waits_for_room_on_its_own_unit() -> None:
@@ -1048,7 +1048,7 @@ def test_a_stored_put_waits_for_room_on_its_own_unit() -> None:
     assert meta is not None
     s.ack("p", "t", meta.lease_id, meta.row_ids)  # frees unit 0's 80 bytes
     ((handle, reply),) = s.take_effects().replies
-    assert handle == "producer" and reply.meta.units == [0] and s.unit_bytes == [40, 0]
+    assert handle == "producer" and reply.meta.units == [0] and s.units.bytes == [40, 0]
     with pytest.raises(CapacityError, match="can never fit on storage unit 1, whose quota is 100"):
         s.put_stored(stored_req(1, nbytes=150), 1, 3.0)
 
@@ -1058,11 +1058,11 @@ def test_equally_loaded_units_take_puts_in_turn() -> None:
     s = new_state(units=3)
     units = []
     for _ in range(6):
-        s.unit_bytes[:] = [0, 0, 0]  # as if the previous puts were acked and freed at once
+        s.units.bytes[:] = [0, 0, 0]  # as if the previous puts were acked and freed at once
         [segment] = prepare(s, 2).segments
         units.append(segment.unit)
     assert units == [0, 1, 2, 0, 1, 2]
-    s.unit_bytes[:] = [0, 5, 0]  # the least loaded still come first: ties only rotate
+    s.units.bytes[:] = [0, 5, 0]  # the least loaded still come first: ties only rotate
     assert [seg.unit for seg in prepare(s, 2).segments] in ([0], [2])
 
 

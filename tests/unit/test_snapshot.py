@@ -45,7 +45,7 @@ def saved(s: ControllerState, now: float = 0.0) -> ControllerSnapshot:
 
 def restored(snap: ControllerSnapshot, units: int = 2, now: float = 0.0) -> ControllerState:
     s = new_state(units)
-    restore(s, snap, assign_files(snap.files, snap.units, units), now)
+    restore(s, snap, now)
     return s
 
 
@@ -101,7 +101,7 @@ def test_committed_state_comes_back_and_leases_become_available() -> None:
             want = (r.key, r.group, r.version_start, r.version_end, r.dispatch_version, r.written)
             assert got == want
         assert q.next_row == p.next_row and q.key_prefix == p.key_prefix
-    assert back.unit_bytes == s.unit_bytes
+    assert back.units.bytes == s.units.bytes
     # each task is served exactly what it had not acked, in the order it would have been
     for lease in list(s.leases.values()):
         s.release(lease.partition, lease.task, lease.lease_id, sorted(lease.rows), 0.0)
@@ -133,7 +133,7 @@ def test_puts_and_put_fields_in_flight_are_left_out() -> None:
     p = back.partitions["p"]
     assert sorted(p.keys) == ["x", "y"]  # z0..z2 were never visible: their keys are free
     assert p.written_count == {"a": 2} and not any(r.pending for r in p.rows.values())
-    assert sum(back.unit_bytes) == 100  # without the put_fields' 40 bytes
+    assert sum(back.units.bytes) == 100  # without the put_fields' 40 bytes
     assert back.stats("p")["p"].pending_puts == 0
     put(back, 1, ("a",), keys=["z0"])  # a retried put of the lost rows
 
@@ -158,19 +158,46 @@ def test_ids_continue_past_the_checkpoint() -> None:
 def test_another_number_of_units_takes_every_row(units: int) -> None:
     s = build()
     back = restored(saved(s), units)
-    assert sum(back.unit_bytes) == sum(s.unit_bytes)
+    assert sum(back.units.bytes) == sum(s.units.bytes)
     assert all(0 <= r.unit < units for p in back.partitions.values() for r in p.rows.values())
     assert drain(back, "C") == drain(s, "C")
 
 
 def test_files_are_spread_by_bytes_or_kept_on_their_unit() -> None:
-    files = [
-        FileEntry(u, f"f{i}", "p", [i], n)
-        for i, (u, n) in enumerate([(0, 5), (1, 9), (0, 4), (1, 1)])
-    ]
-    assert assign_files(files, 2, 2) == [0, 1, 0, 1]
-    assert assign_files(files, 2, 3) == [1, 0, 2, 2]
-    assert assign_files(files, 2, 1) == [0, 0, 0, 0]
+    sizes = [(0, 5), (1, 9), (0, 4), (1, 1)]
+    files = [FileEntry(u, f"f{i}", "p", [i], n) for i, (u, n) in enumerate(sizes)]
+    one, two = [1] * 4, [2] * 4
+    assert assign_files(files, 2, [True, True], one) == [(0, -1), (1, -1), (0, -1), (1, -1)]
+    assert [u for u, _ in assign_files(files, 2, [True] * 3, one)] == [1, 0, 2, 2]
+    assert assign_files(files, 2, [True], two) == [(0, -1)] * 4  # one unit: one copy
+    assert [u for u, _ in assign_files(files, 2, [False, True, True], one)] == [2, 1, 2, 1]
+    assert assign_files(files, 2, [True, True], two) == [(0, 1), (1, 0), (0, 1), (1, 0)]
+    with pytest.raises(CheckpointError, match="no live storage unit"):
+        assign_files(files, 2, [False, False], one)
+
+
+def test_a_partition_keeping_two_copies_is_restored_with_two() -> None:
+    s = new_state(2)
+    s.create_partition("p", [], replicas=2)
+    put(s, 4, ("a",), nbytes=40)
+    assert all(r.replica >= 0 for r in s.partitions["p"].rows.values())
+    back = restored(saved(s), 3)
+    rows = back.partitions["p"].rows.values()
+    assert all(r.replica >= 0 and r.replica != r.unit for r in rows)
+    assert sum(back.units.bytes) == 80 and back.stats("p")["p"].replicas == 2
+    back.lose_unit(next(iter(rows)).unit, 0.0)
+    assert back.stats("p")["p"].rows == 4  # served from the copies
+
+
+def test_a_unit_lost_while_loading_fails_the_install() -> None:
+    snap = saved(build())
+    fresh = new_state(2)
+    ready = snapshot.prepare(fresh, snap, snapshot.placement(fresh, snap))
+    fresh.lose_unit(1, 0.0)
+    fresh.add_unit("tcp://unit1")  # back, empty: what it loaded is gone
+    with pytest.raises(CheckpointError, match=r"storage unit\(s\) \[1\] were lost while"):
+        install(fresh, ready, 0.0, {})
+    assert fresh.partitions == {}
 
 
 def test_a_ttl_keeps_the_time_it_had_left() -> None:
@@ -195,7 +222,7 @@ def test_registered_tasks_still_free_rows() -> None:
     m = get(back, ("a",), 2, "B")
     back.ack("p", "B", m.lease_id, m.row_ids)
     assert back.stats("p")["p"].rows == 0 and back.take_effects().drop_rows == {0: {"p": [0, 1]}}
-    assert back.unit_bytes == [0]
+    assert back.units.bytes == [0]
 
 
 def test_closed_partitions_and_counters_come_back() -> None:
@@ -251,8 +278,8 @@ def test_an_inconsistent_snapshot_is_refused_and_changes_nothing(damage: Any, me
     snap = damage(saved(s))
     fresh = new_state(2)
     with pytest.raises(CheckpointCorruptError, match=message):
-        restore(fresh, snap, assign_files(snap.files, snap.units, 2), 0.0)
-    assert fresh.partitions == {} and fresh.unit_bytes == [0, 0]
+        restore(fresh, snap, 0.0)
+    assert fresh.partitions == {} and fresh.units.bytes == [0, 0]
 
 
 def test_a_partition_created_meanwhile_is_a_clash() -> None:
@@ -260,7 +287,7 @@ def test_a_partition_created_meanwhile_is_a_clash() -> None:
     fresh = new_state(2)
     put(fresh, 1, ("a",), partition="q")
     with pytest.raises(CheckpointError, match=r"'q' of the checkpoint were put to while"):
-        restore(fresh, snap, assign_files(snap.files, snap.units, 2), 0.0)
+        restore(fresh, snap, 0.0)
     assert list(fresh.partitions) == ["q"] and fresh.partitions["q"].committed == 1
 
 
@@ -270,7 +297,7 @@ def test_empty_partitions_of_the_same_name_are_replaced_unless_put_to_meanwhile(
     fresh.create_partition("p", ["a", "zzz"], tasks=["T"])  # declared at start-up, empty
     handle = object()
     assert fresh.get_meta(req(("a",), 1, "T"), handle, 0.0) is None  # a get waits on it
-    effects = restore(fresh, snap, assign_files(snap.files, snap.units, 2), 0.0)
+    effects = restore(fresh, snap, 0.0)
     assert [h for h, _ in effects.failed] == [handle] and not effects.drop_partitions
     assert "zzz" not in fresh.partitions["p"].bits and fresh.partitions["p"].registered == []
     assert fresh.stats("p")["p"].rows == 7
@@ -278,7 +305,7 @@ def test_empty_partitions_of_the_same_name_are_replaced_unless_put_to_meanwhile(
     fresh = new_state(2)
     fresh.create_partition("p", ["a"])
     empty = replaceable(fresh, snap)  # when the load begins
-    ready = snapshot.prepare(fresh, snap, assign_files(snap.files, snap.units, 2))
+    ready = snapshot.prepare(fresh, snap, snapshot.placement(fresh, snap))
     put(fresh, 1, ("a",))  # a producer, while the units load
     with pytest.raises(CheckpointError, match="'p' of the checkpoint were put to while it"):
         install(fresh, ready, 0.0, empty)
@@ -292,5 +319,5 @@ def test_groups_are_checked_before_anything_changes() -> None:
     snap = msgspec.structs.replace(snap, partitions=[bad, *snap.partitions[1:]])
     fresh = new_state(2)
     with pytest.raises(CheckpointCorruptError, match="unknown members"):
-        restore(fresh, snap, assign_files(snap.files, snap.units, 2), 0.0)
+        restore(fresh, snap, 0.0)
     assert fresh.partitions == {}

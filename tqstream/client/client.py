@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import secrets
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -106,9 +107,12 @@ class Client:
         self._io = io or LoopThread(name="tqstream-client-io")
         self._closed = False
         self._on_close = on_close
+        # every connection of this client (its IO thread's and its lanes') names the same session:
+        # the controller gives back what the client held only when all of them are gone
+        session = secrets.token_bytes(16)
         try:
             self._core = self._io.run(
-                ClientCore.open(inproc_address or address, self.config, context)
+                ClientCore.open(inproc_address or address, self.config, context, session)
             )
         except BaseException:
             if self._owns_io:
@@ -118,7 +122,9 @@ class Client:
             raise
         # calls of a client of other processes run on the caller's thread or loop (lanes.py)
         release = functools.partial(_release_on, self._io, self._core)  # no reference to self
-        self._lanes = Lanes(address, self.config, release, self._io.loop) if io is None else None
+        self._lanes = (
+            Lanes(address, self.config, release, self._io.loop, session) if io is None else None
+        )
         self._finalizer = weakref.finalize(
             self, _finalize, self._io if self._owns_io else None, self._core, on_close,
             None, self._lanes,
@@ -336,6 +342,7 @@ class Client:
         ttl: float | None = None,
         admission: str | None = None,
         producers: int | None = None,
+        replicas: int | None = None,
     ) -> None:
         """Create ``partition`` and declare ``fields``, so gets wait for them instead of failing.
 
@@ -345,9 +352,11 @@ class Client:
         this partition; rows evicted as stale give their budget back to it (one slot per row:
         link only when producers take one slot per row), so the trainer is never starved by
         samples it could not use. ``producers``: how many ``close_partition`` calls close it
-        (default 1). Calling it again adds fields and updates tasks/ttl/admission/producers.
+        (default 1). ``replicas``: 2 stores every row on two storage units, so losing one unit
+        loses no row (default: the controller's ``replicas``, 1 unless configured); set it before
+        the first put. Calling it again adds fields and updates the other settings.
         """
-        msg = _partition_message(partition, fields, tasks, ttl, admission, producers)
+        msg = _partition_message(partition, fields, tasks, ttl, admission, producers, replicas)
         self._sync(ClientCore.call, msg)
 
     async def async_create_partition(
@@ -359,8 +368,9 @@ class Client:
         ttl: float | None = None,
         admission: str | None = None,
         producers: int | None = None,
+        replicas: int | None = None,
     ) -> None:
-        msg = _partition_message(partition, fields, tasks, ttl, admission, producers)
+        msg = _partition_message(partition, fields, tasks, ttl, admission, producers, replicas)
         await self._async(ClientCore.call, msg)
 
     def close_partition(self, partition: str) -> int:
@@ -727,6 +737,7 @@ def _partition_message(
     ttl: float | None,
     admission: str | None,
     producers: int | None,
+    replicas: int | None = None,
 ) -> CreatePartition:
     return CreatePartition(
         rid=0,
@@ -736,6 +747,7 @@ def _partition_message(
         ttl=ttl,
         admission=admission,
         producers=producers,
+        replicas=replicas,
     )
 
 

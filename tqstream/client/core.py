@@ -12,6 +12,10 @@ the client itself dies, the controller's ``put_timeout`` does the same.
 
 With a storage unit on the same host (and ``shared_memory="auto"``) the tensor bytes of a ``Store``
 and a ``Fetch`` go through shared memory (``protocol/shm.py``) and the messages carry only headers.
+
+A partition that keeps two copies of each row has every chunk stored on two units (the plan names
+the replica); a fetch from a unit that is gone reads the rows' replicas instead, and without a
+replica fails with ``UnitLostError`` naming the unit and the rows.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -27,7 +32,16 @@ import torch
 import zmq
 
 from tqstream.config import ClientConfig
-from tqstream.errors import InternalError, InvalidRequestError, TQStreamError, UnknownRowError
+from tqstream.errors import (
+    ConnectError,
+    ConnectionLostError,
+    InternalError,
+    InvalidRequestError,
+    PlacementRequiredError,
+    TQStreamError,
+    UnitLostError,
+    UnknownRowError,
+)
 from tqstream.protocol import shm
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.connection import Connection
@@ -114,6 +128,18 @@ def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) 
     return out
 
 
+def _by_unit(units: Sequence[int], positions: Sequence[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for u, i in zip(units, positions, strict=True):
+        out.setdefault(u, []).append(i)
+    return out
+
+
+def _primary(meta: BatchMeta) -> BatchMeta:
+    """``meta`` read from the replicas: no second fallback."""
+    return msgspec.structs.replace(meta, replicas=[])
+
+
 async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
     """``asyncio.gather``, without its task per job when there is one job (most puts and gets:
     one storage unit), which saves loop iterations on the small-request path."""
@@ -124,8 +150,14 @@ async def _all(jobs: Sequence[Awaitable[T]]) -> list[T]:
 
 class ClientCore:
     def __init__(
-        self, ctx: zmq.Context[Any], controller: Connection, config: ClientConfig, owns_ctx: bool
+        self,
+        ctx: zmq.Context[Any],
+        controller: Connection,
+        config: ClientConfig,
+        owns_ctx: bool,
+        session: bytes = b"",
     ) -> None:
+        self.session = session
         self.ctx = ctx
         self._owns_ctx = owns_ctx
         self.config = config
@@ -140,21 +172,29 @@ class ClientCore:
         to release (a loop that keeps running)."""
         self._wake: int | None = None
         self._turn = random.randrange(1 << 16)  # the unit of the next direct put, modulo units
+        self._skip: dict[int, float] = {}  # unit -> until when direct puts avoid it (unreachable)
+        self._placed: set[str] = set()  # partitions whose puts the controller must place
 
     @classmethod
     async def open(
-        cls, address: str, config: ClientConfig, ctx: zmq.Context[Any] | None = None
+        cls,
+        address: str,
+        config: ClientConfig,
+        ctx: zmq.Context[Any] | None = None,
+        session: bytes = b"",
     ) -> ClientCore:
         """Connect to the controller at ``address``; ``ctx``, when given, is the embedded
-        servers' context (needed for ``inproc://`` addresses) and stays open at close."""
+        servers' context (needed for ``inproc://`` addresses) and stays open at close.
+        ``session``: the client this core belongs to (shared by its lanes' cores; see
+        ``Hello.session``)."""
         own = context() if ctx is None else None
         try:
-            conn = await cls._connect(own or ctx, address, config)  # type: ignore[arg-type]
+            conn = await cls._connect(own or ctx, address, config, session)  # type: ignore[arg-type]
         except BaseException:
             if own is not None:
                 own.destroy(linger=0)
             raise
-        return cls(own or ctx, conn, config, owns_ctx=own is not None)  # type: ignore[arg-type]
+        return cls(own or ctx, conn, config, own is not None, session)  # type: ignore[arg-type]
 
     def _addresses(self, welcome: Welcome) -> list[str]:
         """The units' addresses; their inproc ones when we reached the controller in-process."""
@@ -166,10 +206,13 @@ class ClientCore:
         ]
 
     @staticmethod
-    async def _connect(ctx: zmq.Context[Any], address: str, config: ClientConfig) -> Connection:
+    async def _connect(
+        ctx: zmq.Context[Any], address: str, config: ClientConfig, session: bytes = b""
+    ) -> Connection:
         return await Connection.open(
             ctx,
             address,
+            session=session,
             connect_timeout=config.connect_timeout,
             heartbeat_interval=config.heartbeat_interval,
             max_message_bytes=config.max_message_bytes,
@@ -283,8 +326,12 @@ class ClientCore:
         wait = None if req.timeout is None else req.timeout + GET_GRACE
         cfg = self.config
         framed = cfg.shared_memory == "off" or req.nbytes < cfg.shared_memory_min_bytes
-        if framed and req.nbytes < cfg.direct_put_bytes and self.unit_addresses:
-            return await self._put_direct(req, columns, wait)
+        direct = framed and req.nbytes < cfg.direct_put_bytes and self.unit_addresses
+        if direct and partition not in self._placed:
+            try:
+                return await self._put_direct(req, columns, wait)
+            except PlacementRequiredError:  # refused before anything was stored: place it
+                self._placed.add(partition)
         plan: PutPlan = await self._ask(req, PutPlan, timeout=wait)
 
         async def store() -> BatchMeta:
@@ -292,7 +339,9 @@ class ClientCore:
             for seg in plan.segments:
                 part = {k: c.slice(seg.start, seg.stop) for k, c in columns.items()}
                 rows = plan.row_ids[seg.start : seg.stop]
-                jobs.append(self._store(partition, seg.unit, seg.chunk, rows, part))
+                for unit in (seg.unit, seg.replica):
+                    if unit >= 0:
+                        jobs.append(self._store(partition, unit, seg.chunk, rows, part))
             await _all(jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
             meta: BatchMeta = reply.meta
@@ -305,14 +354,32 @@ class ClientCore:
     async def _put_direct(
         self, req: PreparePut, columns: dict[str, Column], wait: float | None
     ) -> BatchMeta:
-        """One exchange: the next storage unit in turn takes the rows and commits them."""
-        unit = self._turn % len(self.unit_addresses)
-        self._turn += 1
-        conn = await self._unit(unit)
+        """One exchange: the next reachable storage unit in turn takes the rows and commits them."""
+        n, now = len(self.unit_addresses), time.monotonic()
+        for _ in range(n):
+            unit = self._turn % n
+            self._turn += 1
+            if self._skip.get(unit, 0.0) <= now and not self._is_down(unit):
+                break
         refs, buffers = columns_to_wire(columns, packed=True)
         msg = PutRows(rid=0, put=req, columns=refs)
         wait = None if wait is None else wait + GET_GRACE  # the unit waits for the controller
-        reply: MetaReply = await self._ask(msg, MetaReply, conn=conn, buffers=buffers, timeout=wait)
+        try:
+            conn = await self._unit(unit)
+            reply: MetaReply = await self._ask(
+                msg, MetaReply, conn=conn, buffers=buffers, timeout=wait
+            )
+        except (ConnectError, ConnectionLostError) as exc:
+            self._skip[unit] = now + self.config.connect_timeout
+            raise UnitLostError(
+                f"storage unit {unit} at {self.unit_addresses[unit]} did not take a put of "
+                f"{req.n_rows} rows to partition {req.partition!r}: {exc.message}; if it had "
+                f"stored them before it went away they are lost with it (counted as lost in "
+                f"stats); retry the put — this client avoids the unit for "
+                f"{self.config.connect_timeout}s",
+                unit=unit,
+                address=self.unit_addresses[unit],
+            ) from exc
         meta = reply.meta
         return msgspec.structs.replace(meta, rejected=req.rejected) if req.rejected else meta
 
@@ -342,6 +409,12 @@ class ClientCore:
             await self._ask(CommitPut(rid=0, put_id=plan.put_id), Ok)
 
         await self._committed(plan.put_id, store())
+
+    def _is_down(self, unit: int) -> bool:
+        task = self._units.get(unit)
+        if task is None or not task.done() or task.cancelled():
+            return False
+        return task.exception() is not None or task.result().down
 
     async def _store(
         self, partition: str, unit: int, chunk: int, rows: list[int], part: dict[str, Column]
@@ -402,11 +475,24 @@ class ClientCore:
         """The rows' columns, in batch order; rows held by several units are fetched in parallel."""
         if not meta.row_ids or not fields:
             return {}
-        by_unit: dict[int, list[int]] = {}
-        for i, u in enumerate(meta.units):
-            by_unit.setdefault(u, []).append(i)
+        by_unit = _by_unit(meta.units, range(len(meta.row_ids)))
+        jobs = [self._fetch_from(meta, u, pos, fields) for u, pos in by_unit.items()]
+        pieces = [piece for pieces in await _all(jobs) for piece in pieces]
+        if len(pieces) == 1 and pieces[0][0] == list(range(len(meta.row_ids))):
+            return pieces[0][1]
+        order = [i for pos, _ in pieces for i in pos]
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
+        return {f: Column.concat([p[f] for _, p in pieces]).take(inverse) for f in fields}
 
-        async def one(unit: int, positions: list[int]) -> dict[str, Column]:
+    async def _fetch_from(
+        self, meta: BatchMeta, unit: int, positions: list[int], fields: list[str]
+    ) -> list[tuple[list[int], dict[str, Column]]]:
+        """The columns of the rows at ``positions`` of ``meta``, held by ``unit`` — or, if the
+        unit is gone, by their replicas: ``(positions, columns)`` pieces."""
+        try:
+            if self._is_down(unit) and meta.replicas:
+                raise ConnectionLostError(f"the connection to storage unit {unit} is down")
             conn = await self._unit(unit)
             token = self._token(unit)
             msg = Fetch(
@@ -417,17 +503,32 @@ class ClientCore:
                 shared=bool(token),
             )
             reply, frames = await self._ask(msg, Columns, conn=conn)
-            if reply.shared:
-                frames = _shared_frames(token, reply.shared, frames)
-            return {ref.name: column_from_wire(ref, frames) for ref in reply.columns}
-
-        parts = await _all([one(u, pos) for u, pos in by_unit.items()])
-        if len(parts) == 1:
-            return parts[0]
-        order = [i for pos in by_unit.values() for i in pos]
-        inverse = torch.empty(len(order), dtype=torch.int64)
-        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
-        return {f: Column.concat([p[f] for p in parts]).take(inverse) for f in fields}
+        except (ConnectError, ConnectionLostError) as exc:
+            replicas = [meta.replicas[i] for i in positions] if meta.replicas else []
+            if replicas and all(r >= 0 and r != unit for r in replicas):
+                copies = _by_unit(replicas, positions)
+                nested = await _all(
+                    [self._fetch_from(_primary(meta), r, pos, fields) for r, pos in copies.items()]
+                )
+                return [piece for pieces in nested for piece in pieces]
+            address = self.unit_addresses[unit] if unit < len(self.unit_addresses) else "?"
+            keys = [meta.keys[i] for i in positions]
+            shown = ", ".join(repr(k) for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
+            raise UnitLostError(
+                f"storage unit {unit} at {address} is unreachable ({exc.message}): {len(keys)} "
+                f"rows of partition {meta.partition!r} it holds (keys {shown}) cannot be read and "
+                f"have no replica; the controller counts them as lost once it has declared the "
+                f"unit lost (within 3 heartbeats). Get again: this batch's lease is released and "
+                f"the rows on other units are served again; keep two copies "
+                f"(replicas=2) to ride out a unit's loss",
+                unit=unit,
+                address=address,
+                partition=meta.partition,
+                rows=len(keys),
+            ) from exc
+        if reply.shared:
+            frames = _shared_frames(token, reply.shared, frames)
+        return [(positions, {ref.name: column_from_wire(ref, frames) for ref in reply.columns})]
 
     async def get_by_keys(
         self, partition: str, keys: list[str], fields: list[str] | None

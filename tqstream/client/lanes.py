@@ -48,7 +48,11 @@ class Lane:
     """One thread's loop, context and core. ``busy`` is guarded by the owning :class:`Lanes`."""
 
     def __init__(
-        self, address: str, config: ClientConfig, release: Callable[[BatchMeta], None]
+        self,
+        address: str,
+        config: ClientConfig,
+        release: Callable[[BatchMeta], None],
+        session: bytes,
     ) -> None:
         self.thread = threading.current_thread()
         self.busy = False
@@ -57,7 +61,9 @@ class Lane:
         # a byte on this pair ends a request waiting on the lane's thread (interrupt())
         self._wake, self._waker = socket.socketpair()
         try:
-            self.core = self.loop.run_until_complete(_open(address, config, self.ctx, release))
+            self.core = self.loop.run_until_complete(
+                _open(address, config, self.ctx, release, session)
+            )
         except BaseException:
             self._close_sockets()
             raise
@@ -123,11 +129,16 @@ class LoopLane:
     """One event loop's context and core, opened on that loop by the first call that needs it."""
 
     def __init__(
-        self, address: str, config: ClientConfig, release: Callable[[BatchMeta], None]
+        self,
+        address: str,
+        config: ClientConfig,
+        release: Callable[[BatchMeta], None],
+        session: bytes,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.ctx = context()
         self._address, self._config, self._release = address, config, release
+        self._session = session
         self._opening: asyncio.Task[ClientCore] | None = None
         self.unsupported = False  # the loop cannot watch file descriptors (add_reader)
 
@@ -146,7 +157,7 @@ class LoopLane:
         task = self._opening
         if task is None or (task.done() and task.exception() is not None):
             task = self._opening = self.loop.create_task(
-                _open(self._address, self._config, self.ctx, self._release),
+                _open(self._address, self._config, self.ctx, self._release, self._session),
                 name="tqstream-client-open-lane",
             )
         return await asyncio.shield(task)
@@ -171,11 +182,15 @@ class LoopLane:
 
 
 async def _open(
-    address: str, config: ClientConfig, ctx: zmq.Context[Any], release: Callable[[BatchMeta], None]
+    address: str,
+    config: ClientConfig,
+    ctx: zmq.Context[Any],
+    release: Callable[[BatchMeta], None],
+    session: bytes,
 ) -> ClientCore:
     """A lane's core: its loop runs only during calls (or may end), so a lease it gives back goes
     through ``release`` (the IO thread) instead of a background task of its own."""
-    core = await ClientCore.open(address, config, ctx)
+    core = await ClientCore.open(address, config, ctx, session)
     core.release_elsewhere = release
     return core
 
@@ -197,8 +212,10 @@ class Lanes:
         config: ClientConfig,
         release: Callable[[BatchMeta], None],
         io_loop: asyncio.AbstractEventLoop,
+        session: bytes,
     ) -> None:
         self._address, self._config, self._release = address, config, release
+        self._session = session
         self._io_loop = io_loop
         self._lock = threading.Lock()
         self._lanes: dict[threading.Thread, Lane] = {}
@@ -222,7 +239,7 @@ class Lanes:
                     lane = usable.pop(0)
                     lane.move_to(loop)
                 else:
-                    lane = LoopLane(self._address, self._config, self._release)
+                    lane = LoopLane(self._address, self._config, self._release, self._session)
                 self._loop_lanes[loop] = lane
                 for old in gone:
                     if old is not lane:
@@ -249,7 +266,8 @@ class Lanes:
                     return None
                 lane.busy = True
                 return lane
-        lane = Lane(self._address, self._config, self._release)  # outside the lock: a handshake
+        lane = Lane(self._address, self._config, self._release, self._session)  # a handshake:
+        # outside the lock
         lane.busy = True
         with self._lock:
             closed = self._closed

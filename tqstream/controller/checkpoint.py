@@ -11,11 +11,12 @@ aside, then removed), so a failed or interrupted save leaves the older checkpoin
 a new one. The reply comes after all of that.
 
 Load. Into a cluster that holds no rows: the controller reads and checks the state, moves its id
-counter past the checkpoint's, has each unit load its files (``snapshot.assign_files``) and, once
-all did, installs the state in one step, replacing the empty partitions of the same names
-(declared by a client at start-up, say) unless someone put to them meanwhile. If anything fails
-the units drop what they loaded: no row of the checkpoint is kept, and the cluster is as it was.
-One checkpoint (save or load) runs at a time.
+counter past the checkpoint's, has each live unit load its files (``snapshot.assign_files``; the
+rows of a partition keeping two copies go to two units) and, once all did, installs the state in
+one step, replacing the empty partitions of the same names (declared by a client at start-up,
+say) unless someone put to them meanwhile. If anything fails (a unit is lost meanwhile, too) the
+units drop what they loaded: no row of the checkpoint is kept, and the cluster is as it was. One
+checkpoint (save or load) runs at a time.
 
 The path is on the filesystem of the controller and of every storage unit: with units on several
 hosts, a filesystem they all share (each unit writes and reads its own subdirectory; loading onto
@@ -181,7 +182,8 @@ class Checkpoints:
     def _unit_failed(self, unit: int, what: str, exc: Any, path: str) -> CheckpointError:
         """The error of a unit's part, of the unit's checkpoint error class when it raised one
         (a missing or damaged file), naming the unit."""
-        address = self.service.state.units[unit] if unit < len(self.service.state.units) else "?"
+        addresses = self.service.state.units.addresses
+        address = addresses[unit] if unit < len(addresses) else "?"
         done = (
             f"no checkpoint was written at {path} (an older one there is kept)"
             if what.startswith("save")
@@ -205,18 +207,20 @@ class Checkpoints:
         try:
             manifest, snap = await in_thread("tqstream-checkpoint-read", _read, path)
             empty = self._check_room(snap, path)
-            if snap.files and not s.units:
+            if snap.files and not s.units.live():
                 raise CheckpointError(
-                    f"no storage unit is registered to load the checkpoint at {path} into; start "
-                    f"the storage units first"
+                    f"no storage unit is alive to load the checkpoint at {path} into; start the "
+                    f"storage units first"
                 )
-            file_units = snapshot.assign_files(snap.files, snap.units, len(s.units))
-            ready = snapshot.prepare(s, snap, file_units)  # a damaged state: before any loading
+            where = snapshot.placement(s, snap)
+            ready = snapshot.prepare(s, snap, where)  # a damaged state: before any loading
             snapshot.reserve_ids(s, snap.next_id)
             fence = next(s._ids)  # every chunk loaded has a smaller id, every later put a larger
             orders: dict[int, list[str]] = {}
-            for f, unit in zip(snap.files, file_units, strict=True):
-                orders.setdefault(unit, []).append(os.path.join(path, f.name))
+            for f, pair in zip(snap.files, where, strict=True):
+                for unit in pair:
+                    if unit >= 0:
+                        orders.setdefault(unit, []).append(os.path.join(path, f.name))
             jobs = {
                 unit: asyncio.ensure_future(
                     self.service.units[unit].request(
@@ -244,7 +248,7 @@ class Checkpoints:
             partitions=len(snap.partitions),
             rows=manifest.rows,
             nbytes=manifest.nbytes,
-            units=len(s.units),
+            units=len({u for pair in where for u in pair if u >= 0}),
             metadata=manifest.metadata,
         )
         return CheckpointReply(rid=msg.rid, summary=summary)

@@ -18,6 +18,7 @@ from tqstream.controller.admission import (
 )
 from tqstream.controller.partition import Partition
 from tqstream.controller.records import Effects
+from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     AdmissionError,
     CapacityError,
@@ -32,14 +33,15 @@ class FlowControl:
     admissions: dict[str, tuple[Admission, str, dict[str, int]]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
-    unit_bytes: list[int]
-    unit_quota: list[int]
+    units: UnitTable
+    slot_owners: dict[str, dict[int, Any]]
     outbox: Effects
     now: float
 
     if TYPE_CHECKING:
 
         def _at(self, deadline: float, kind: str, ref: Any) -> None: ...
+        def own_slots(self, name: str, slot_ids: list[int], handle: Any) -> None: ...
 
         def prepare_put(
             self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
@@ -55,11 +57,16 @@ class FlowControl:
         ) -> StoredReply | None: ...
 
     def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
-        free = sum(q - b for q, b in zip(self.unit_quota, self.unit_bytes, strict=True) if q)
+        units = self.units
+        free = sum(
+            q - b
+            for q, b, ok in zip(units.quota, units.bytes, units.alive, strict=True)
+            if q and ok
+        )
         return CapacityError(
             f"a put of {req.n_rows} rows ({req.nbytes} bytes) to partition {req.partition!r} did "
             f"not fit in storage within {waited:.1f}s: {free} bytes free under the units' quotas "
-            f"({sum(self.unit_quota)} in all); consume and ack (registered tasks free rows), "
+            f"({sum(units.quota)} in all); consume and ack (registered tasks free rows), "
             f"clear rows, or raise max_bytes on the storage units",
             nbytes=req.nbytes,
             free=free,
@@ -116,8 +123,11 @@ class FlowControl:
         if req.force:
             if not isinstance(adm, CapacityAdmission):
                 raise AdmissionError("force= (on_rollout_submitted) is for capacity admission")
-            return [adm.on_rollout_submitted()]
+            granted = [adm.on_rollout_submitted()]
+            self.own_slots(req.name, granted, handle)
+            return granted
         granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
+        self.own_slots(req.name, granted, handle)
         if granted or not req.wait or handle is None:
             return granted
         if req.timeout == 0:
@@ -151,10 +161,15 @@ class FlowControl:
             granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
             if granted:
                 del self.waiting_acquires[handle]
+                self.own_slots(name, granted, handle)
                 self.outbox.replies.append((handle, Slots(rid=0, slot_ids=granted)))
 
     def release_slots(self, name: str, slot_ids: list[int], outcome: str) -> None:
         self._admission(name).release(slot_ids, outcome)
+        owners = self.slot_owners.get(name)
+        if owners:
+            for s in slot_ids:
+                owners.pop(s, None)
         self._wake_acquires(name)
 
     def admission_version(
@@ -170,7 +185,8 @@ class FlowControl:
                 )
             adm.reset_staleness()
         elif recovered:
-            adm.on_version_recovered(version)
+            adm.on_version_recovered(version)  # voids every running slot
+            self.slot_owners.pop(name, None)
         else:
             adm.on_version(version)
         self._wake_acquires(name)

@@ -34,6 +34,7 @@ class Row:
         "nbytes",
         "pending",
         "ready_seq",
+        "replica",
         "unit",
         "version_end",
         "version_start",
@@ -48,6 +49,7 @@ class Row:
         self.key = key
         self.group = group
         self.unit = unit
+        self.replica = -1  # the unit holding the second copy; -1: none
         self.nbytes = nbytes
         self.version_start = version
         self.version_end = version
@@ -69,12 +71,13 @@ class Group:
 
 
 class TaskState:
-    __slots__ = ("acked", "lag", "leased", "stale_dropped")
+    __slots__ = ("acked", "lag", "leased", "lost", "stale_dropped")
 
     def __init__(self) -> None:
         self.leased: dict[int, int] = {}  # row -> lease id
         self.acked: set[int] = set()
         self.stale_dropped = 0
+        self.lost = 0  # rows lost with a storage unit before this task acked them
         self.lag: dict[int, int] = {}  # version lag at ack -> rows
 
 
@@ -99,6 +102,8 @@ class Partition:
         self.ttl: float | None = None
         self.admission: str | None = None  # a capacity admission gets stale evictions back
         self.produced = self.rejected = self.stale_dropped = self.expired = self.freed = 0
+        self.lost = 0  # rows lost with a storage unit that held their only copy
+        self.replicas: int | None = None  # copies of each row; None: the controller's default
         self.stale_seen: list[int] = []  # filled by select() under a staleness window
         self.producers = 1  # close_partition calls that close it
         self.closes = 0
@@ -551,6 +556,7 @@ class Partition:
                 acked=len(t.acked),
                 stale_dropped=t.stale_dropped,
                 lag=dict(sorted(t.lag.items())),
+                lost=t.lost,
             )
         return out
 

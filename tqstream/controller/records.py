@@ -60,6 +60,8 @@ class Effects:
     # (partition, first chunk id after the clear): on every unit, drop the older chunks only
     drop_partitions: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     replies: list[tuple[Any, msgspec.Struct]] = dataclasses.field(default_factory=list)
+    # (unit, first chunk id after its revival): the unit drops every older chunk it holds
+    reset_units: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def extend(self, other: Effects) -> None:
         self.served += other.served
@@ -72,6 +74,7 @@ class Effects:
             self.drop_chunks.setdefault(unit, []).extend(chunks)
         self.drop_partitions += other.drop_partitions
         self.replies += other.replies
+        self.reset_units += other.reset_units
 
     def __bool__(self) -> bool:
         return bool(
@@ -81,6 +84,7 @@ class Effects:
             or self.drop_chunks
             or self.drop_partitions
             or self.replies
+            or self.reset_units
         )
 
 
@@ -96,6 +100,7 @@ class PendingPut:
     per_row: int  # bytes per row, for the units' load estimate
     cancelled: bool = False  # its partition was cleared: only its chunks remain to drop
     rejected: int = 0  # rows the producer refused; counted when the put commits, like produced
+    owner: Any = None  # the producer's peer: its put is aborted when it disconnects
 
 
 @dataclasses.dataclass
@@ -107,6 +112,7 @@ class Lease:
     deadline: float
     current_version: int | None = None  # the reader's version, for the lag at consumption
     measure: str = "head"
+    owner: Any = None  # the reader's peer: its rows go back to available when it disconnects
 
 
 @dataclasses.dataclass(eq=False)

@@ -6,7 +6,11 @@ makes it servable, or when its deadline passes. Deadlines of every kind share on
 after each request at the state's earliest deadline: the loop never sleeps or polls.
 
 The controller talks to every storage unit over a client connection of its own, to order drops
-(clear, abort, expired puts) and to collect byte counts for ``stats``.
+(clear, abort, expired puts) and to collect byte counts for ``stats``. That connection is also how
+it watches the unit: when it drops (the process died, or missed 3 heartbeats) the unit is lost at
+once; when it comes back (the same process, or a restart at the same address) the unit revives,
+empty. The server tells it when a client's connection drops: what that client held (parked
+requests, leases, uncommitted puts, admission slots) is given back at once.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from tqstream.protocol.messages import (
     RegisterUnit,
     Release,
     ReleaseSlots,
+    ResetUnit,
     SaveCheckpoint,
     Slots,
     StatsReply,
@@ -112,7 +117,9 @@ class ControllerService:
         self.config = config
         self.ctx = ctx or shared_context()
         self.state = ControllerState(
-            lease_timeout=config.lease_timeout, put_timeout=config.put_timeout
+            lease_timeout=config.lease_timeout,
+            put_timeout=config.put_timeout,
+            replicas=config.replicas,
         )
         self.server = Server(
             self.ctx,
@@ -121,9 +128,10 @@ class ControllerService:
             self.handle,
             name="controller",
             max_message_bytes=config.max_message_bytes,
-            units=lambda: list(self.state.units),
+            units=lambda: list(self.state.units.addresses),
             inproc_units=lambda: list(self.inproc_units),
             inproc=inproc,
+            on_disconnect=self._peer_gone,
         )
         self.units: list[Connection] = []
         self.inproc_units: list[str] = []
@@ -178,7 +186,7 @@ class ControllerService:
                             one.reply(stored)
                     return None  # answered by ``results`` once every put is
                 case PrepareFields():
-                    return s.prepare_fields(msg, now)
+                    return s.prepare_fields(msg, now, responder.peer)
                 case CommitPut():
                     meta, effects = s.commit(msg.put_id, now)
                     self._apply(effects)
@@ -202,8 +210,9 @@ class ControllerService:
                     return KeysReply(rid=msg.rid, keys=s.list_keys(msg.partition))
                 case CreatePartition():
                     s.create_partition(
-                        msg.partition, msg.fields, msg.tasks, msg.ttl, msg.admission, msg.producers
-                    )
+                        msg.partition, msg.fields, msg.tasks, msg.ttl, msg.admission,
+                        msg.producers, msg.replicas,
+                    )  # fmt: skip
                     return Ok(rid=msg.rid)
                 case ClosePartition():
                     still_open, effects = s.close_partition(msg.partition, now)
@@ -260,6 +269,8 @@ class ControllerService:
         for responder, reply in effects.replies:
             responder.reply(msgspec.structs.replace(reply, rid=responder.rid))
         jobs: list[tuple[int, Any]] = []
+        for unit, before in effects.reset_units:
+            jobs.append((unit, ResetUnit(rid=0, before_chunk=before)))
         for unit, parts in effects.drop_rows.items():
             for partition, rows in parts.items():
                 jobs.append((unit, DropRows(rid=0, partition=partition, row_ids=rows)))
@@ -268,14 +279,17 @@ class ControllerService:
         for partition, before in effects.drop_partitions:
             order = DropPartition(rid=0, partition=partition, before_chunk=before)
             jobs.extend((u, order) for u in range(len(self.units)))
-        return [self._spawn(self._order(unit, req)) for unit, req in jobs]
+        alive = self.state.units.alive
+        # a lost unit's bytes are gone with it; a revived one drops them with its ResetUnit
+        return [self._spawn(self._order(u, req)) for u, req in jobs if alive[u]]
 
     async def _order(self, unit: int, req: Any) -> None:
         try:
             await self.units[unit].request(req, timeout=self.config.storage_timeout)
         except TQStreamError:
             self.drop_failures += 1
-            raise
+            if self.state.units.alive[unit]:  # else the unit died since: nothing to free there
+                raise
 
     def _drain(self, rid: int, effects: Effects, count: int) -> Any:
         """Reply only once the storage units have freed the bytes (so stats are exact after)."""
@@ -290,8 +304,38 @@ class ControllerService:
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name="tqstream-controller-order")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._order_done)
         return task
+
+    def _order_done(self, task: asyncio.Task[Any]) -> None:
+        """A drop order that failed is counted (``drop_failures``); one a clear waits for fails
+        that clear (see ``_drain``), the others have nobody to tell."""
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" noise
+
+    # --- faults ---
+    def _event(self, change: Any) -> None:
+        """Apply a state change made outside a request (a unit or a peer went away)."""
+        now = asyncio.get_running_loop().time()
+        s = self.state
+        s.now = max(s.now, now)
+        try:
+            effects = change(now)
+            if effects is not None:
+                self._apply(effects)
+        finally:
+            self._apply(s.take_effects())
+            self._rearm()
+
+    def _peer_gone(self, peer: bytes) -> None:
+        self._event(lambda now: self.state.drop_peer(peer, now))
+
+    def _unit_down(self, unit: int) -> None:
+        self._event(lambda now: self.state.lose_unit(unit, now))
+
+    def _unit_up(self, unit: int) -> None:
+        self._event(lambda now: self.state.revive_unit(unit))
 
     # --- time ---
     def _rearm(self) -> None:
@@ -313,8 +357,8 @@ class ControllerService:
 
     # --- units and stats ---
     async def _register(self, rid: int, address: str, max_bytes: int, inproc: str) -> Registered:
-        if address in self.state.units:
-            return Registered(rid=rid, unit=self.state.units.index(address))
+        if address in self.state.units.addresses:  # a restarted unit, or a repeated register
+            return Registered(rid=rid, unit=self.state.add_unit(address, max_bytes))
         conn = await Connection.open(
             self.ctx,
             inproc or address,
@@ -323,14 +367,25 @@ class ControllerService:
             heartbeat_interval=ClientConfig.heartbeat_interval,
             max_message_bytes=self.config.max_message_bytes,
         )
+        if address in self.state.units.addresses:  # registered twice at once: keep the first
+            conn.close()
+            return Registered(rid=rid, unit=self.state.add_unit(address, max_bytes))
+        unit = self.state.add_unit(address, max_bytes)
+        assert unit == len(self.units)
+        conn.on_down = lambda: self._unit_down(unit)
+        conn.on_up = lambda: self._unit_up(unit)
         self.units.append(conn)
         self.inproc_units.append(inproc)
-        return Registered(rid=rid, unit=self.state.add_unit(address, max_bytes))
+        return Registered(rid=rid, unit=unit)
 
     async def _stats(self, rid: int, partition: str | None) -> StatsReply:
         parts = self.state.stats(partition)
 
         async def one(i: int, conn: Connection) -> UnitStats:
+            if not self.state.units.alive[i]:
+                return UnitStats(
+                    address=self.state.units.addresses[i], bytes=0, chunks=0, rows=0, alive=False
+                )
             try:
                 reply, _ = await conn.request(
                     GetUnitStats(rid=0), timeout=self.config.storage_timeout
@@ -339,8 +394,9 @@ class ControllerService:
                 return reply.stats
             except TQStreamError:
                 return UnitStats(
-                    address=self.state.units[i], bytes=-1, chunks=-1, rows=-1, alive=False
-                )
+                    address=self.state.units.addresses[i], bytes=-1, chunks=-1, rows=-1,
+                    alive=False,
+                )  # fmt: skip
 
         units = await asyncio.gather(*(one(i, c) for i, c in enumerate(self.units)))
         stats = Stats(partitions=parts, units=list(units), admissions=self.state.admission_stats())

@@ -38,6 +38,7 @@ __all__ = [
     "Taken",
     "assign_files",
     "install",
+    "placement",
     "prepare",
     "replaceable",
     "reserve_ids",
@@ -79,6 +80,7 @@ class TaskEntry(msgspec.Struct, frozen=True):
     acked: list[int]
     stale_dropped: int = 0
     lag: dict[int, int] = {}
+    lost: int = 0
 
 
 class TtlEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -108,6 +110,8 @@ class PartitionEntry(msgspec.Struct, frozen=True):
     freed: int
     producers: int
     closes: int
+    lost: int = 0
+    replicas: int | None = None  # copies of each row; None: the controller's default
 
 
 class AdmissionEntry(msgspec.Struct, frozen=True):
@@ -220,7 +224,7 @@ def _partition(
         if members:  # a group whose every member is still being put is not in the snapshot
             groups.append(GroupEntry(name, g.size, sorted(g.fields), members))
     tasks = [
-        TaskEntry(name, sorted(t.acked & committed), t.stale_dropped, dict(t.lag))
+        TaskEntry(name, sorted(t.acked & committed), t.stale_dropped, dict(t.lag), t.lost)
         for name, t in p.tasks.items()
     ]
     return PartitionEntry(
@@ -245,24 +249,52 @@ def _partition(
         freed=p.freed,
         producers=p.producers,
         closes=p.closes,
+        lost=p.lost,
+        replicas=p.replicas,
     )
 
 
 # --- restore ---
-def assign_files(files: Sequence[FileEntry], saved_units: int, units: int) -> list[int]:
-    """The storage unit that loads each file. With as many units as were saved, file of unit i
-    goes to unit i (each unit reads what it wrote: its own disk will do). Otherwise the files are
-    spread by bytes: largest first, each to the unit holding the fewest bytes so far; a file holds
-    every chunk of its rows, so a row's fields stay on one unit."""
-    if units == saved_units:
-        return [f.unit for f in files]
-    load = [0] * units
-    out = [0] * len(files)
+Placement = list[tuple[int, int]]
+"""Per file of a snapshot, the storage unit that loads it and the one that loads its second copy
+(-1: none)."""
+
+
+def assign_files(
+    files: Sequence[FileEntry], saved_units: int, alive: Sequence[bool], copies: Sequence[int]
+) -> Placement:
+    """Where each file is loaded. With as many units as were saved, all alive, the file of unit
+    i goes to unit i (each unit reads what it wrote: its own disk will do). Otherwise the files
+    are spread over the live units by bytes: largest first, each to the unit holding the fewest
+    bytes so far. A file holds every chunk of its rows, so a row's fields stay on one unit. A file
+    of a partition keeping two copies (``copies``) is loaded a second time on the live unit with
+    the fewest bytes but that one, when there is one."""
+    live = [u for u, ok in enumerate(alive) if ok]
+    if not live and files:
+        raise CheckpointError("no live storage unit to load the checkpoint's rows into")
+    same = len(alive) == saved_units and all(
+        0 <= f.unit < len(alive) and alive[f.unit] for f in files
+    )
+    load = dict.fromkeys(live, 0)
+    out = [(-1, -1)] * len(files)
     for i in sorted(range(len(files)), key=lambda i: -files[i].nbytes):
-        unit = min(range(units), key=lambda u: (load[u], u))
-        out[i] = unit
-        load[unit] += files[i].nbytes
+        n = files[i].nbytes
+        unit = files[i].unit if same else min(live, key=lambda u: (load[u], u))
+        load[unit] += n
+        replica = -1
+        others = [u for u in live if u != unit]
+        if copies[i] > 1 and others:
+            replica = min(others, key=lambda u: (load[u], u))
+            load[replica] += n
+        out[i] = (unit, replica)
     return out
+
+
+def placement(state: ControllerState, snap: ControllerSnapshot) -> Placement:
+    """:func:`assign_files` for ``state``'s units and each partition's copies."""
+    copies = {e.name: e.replicas or state.replicas for e in snap.partitions}
+    per_file = [copies.get(f.partition, 1) for f in snap.files]
+    return assign_files(snap.files, snap.units, state.units.alive, per_file)
 
 
 def reserve_ids(state: ControllerState, next_id: int) -> None:
@@ -278,8 +310,10 @@ class Prepared:
         snap: ControllerSnapshot,
         partitions: list[tuple[Partition, list[TtlEntry]]],
         admissions: list[Admission],
+        losses: dict[int, int],
     ) -> None:
         self.snap, self.partitions, self.admissions = snap, partitions, admissions
+        self.losses = losses  # unit -> how often it was lost, for the units the rows go to
 
 
 Replaceable = Mapping[str, tuple[Partition, int]]
@@ -300,19 +334,22 @@ def replaceable(
     }
 
 
-def prepare(state: ControllerState, snap: ControllerSnapshot, file_units: list[int]) -> Prepared:
-    """Check ``snap`` (its rows on the units ``file_units`` gave each file) and build its state,
-    changing nothing: a snapshot that is not self-consistent raises ``CheckpointCorruptError``."""
-    unit_of: dict[tuple[str, int], int] = {}
-    for f, unit in zip(snap.files, file_units, strict=True):
-        if not 0 <= unit < len(state.units):
-            raise _corrupt(f"file {f.name!r} belongs to storage unit {unit} of {len(state.units)}")
+def prepare(state: ControllerState, snap: ControllerSnapshot, where: Placement) -> Prepared:
+    """Check ``snap`` (its files loaded where ``where`` says) and build its state, changing
+    nothing: a snapshot that is not self-consistent raises ``CheckpointCorruptError``."""
+    unit_of: dict[tuple[str, int], tuple[int, int]] = {}
+    n = len(state.units)
+    for f, (unit, replica) in zip(snap.files, where, strict=True):
+        if not 0 <= unit < n or not -1 <= replica < n:
+            raise _corrupt(f"file {f.name!r} belongs to storage unit {unit} of {n}")
         for rid in f.row_ids:
             if (f.partition, rid) in unit_of:
                 raise _corrupt(f"row {rid} of partition {f.partition!r} is in two files")
-            unit_of[f.partition, rid] = unit
+            unit_of[f.partition, rid] = (unit, replica)
     built = [_build(entry, unit_of) for entry in snap.partitions]
-    return Prepared(snap, built, [_admission(entry) for entry in snap.admissions])
+    used = {u for pair in where for u in pair if u >= 0}
+    losses = {u: state.units.losses[u] for u in used}
+    return Prepared(snap, built, [_admission(entry) for entry in snap.admissions], losses)
 
 
 def install(state: ControllerState, ready: Prepared, now: float, empty: Replaceable) -> Effects:
@@ -331,6 +368,15 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
             f"was loading; nothing of the checkpoint was kept: clear them and load again",
             partitions=clash,
         )
+    gone = [
+        u for u, n in ready.losses.items() if not state.units.alive[u] or state.units.losses[u] != n
+    ]
+    if gone:
+        raise CheckpointError(
+            f"storage unit(s) {gone} were lost while the checkpoint loaded; nothing of it was "
+            f"kept: load it again",
+            units=gone,
+        )
     for entry in ready.snap.admissions:
         existing = state.admissions.get(entry.name)
         if existing is not None and existing[0].state()["granted"]:
@@ -347,7 +393,9 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
             effects.extend(replaced)
         state.partitions[p.name] = p
         for r in p.rows.values():
-            state.unit_bytes[r.unit] += r.nbytes
+            state.units.bytes[r.unit] += r.nbytes
+            if r.replica >= 0:
+                state.units.bytes[r.replica] += r.nbytes
         for t in ttls:
             state._at(now + t.left, "ttl", (p, list(t.rows)))
     for entry, adm in zip(ready.snap.admissions, ready.admissions, strict=True):
@@ -358,12 +406,11 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
     return effects
 
 
-def restore(
-    state: ControllerState, snap: ControllerSnapshot, file_units: list[int], now: float
-) -> Effects:
-    """:func:`prepare` and :func:`install` at once, replacing the empty partitions of ``state``
-    of the checkpoint's names."""
-    return install(state, prepare(state, snap, file_units), now, replaceable(state, snap))
+def restore(state: ControllerState, snap: ControllerSnapshot, now: float) -> Effects:
+    """:func:`prepare` and :func:`install` at once, the files placed by :func:`placement`,
+    replacing the empty partitions of ``state`` of the checkpoint's names."""
+    ready = prepare(state, snap, placement(state, snap))
+    return install(state, ready, now, replaceable(state, snap))
 
 
 def _corrupt(problem: str) -> CheckpointCorruptError:
@@ -371,7 +418,7 @@ def _corrupt(problem: str) -> CheckpointCorruptError:
 
 
 def _build(
-    e: PartitionEntry, unit_of: dict[tuple[str, int], int]
+    e: PartitionEntry, unit_of: dict[tuple[str, int], tuple[int, int]]
 ) -> tuple[Partition, list[TtlEntry]]:
     t = e.rows
     n = len(t.ids)
@@ -386,12 +433,13 @@ def _build(
     full = (1 << len(e.fields)) - 1
     p.schemas = dict(e.schemas)
     for i, rid in enumerate(t.ids):
-        unit = unit_of.get((e.name, rid))
-        if unit is None:
+        where = unit_of.get((e.name, rid))
+        if where is None:
             raise _corrupt(f"row {rid} of partition {e.name!r} is in no storage unit's file")
         if not 0 <= rid < e.next_row or rid in p.rows or t.keys[i] in p.keys:
             raise _corrupt(f"row {rid} (key {t.keys[i]!r}) of partition {e.name!r} repeats")
-        r = Row(rid, t.keys[i], t.groups[i], unit, t.nbytes[i], None)
+        r = Row(rid, t.keys[i], t.groups[i], where[0], t.nbytes[i], None)
+        r.replica = where[1]
         r.version_start, r.version_end = t.version_start[i], t.version_end[i]
         r.dispatch_version = t.dispatch_version[i]
         r.written = _mask_in(t.written[i])
@@ -415,12 +463,14 @@ def _build(
             raise _corrupt(f"task {te.name!r} of partition {e.name!r} acked unknown rows")
         task = p.tasks[te.name] = TaskState()
         task.acked, task.stale_dropped, task.lag = set(te.acked), te.stale_dropped, dict(te.lag)
+        task.lost = te.lost
     if not all(rid in p.rows for ttl in e.ttl_left for rid in ttl.rows):
         raise _corrupt(f"partition {e.name!r} has a ttl for unknown rows")
     p.next_row, p.seq, p.born = e.next_row, e.seq, e.born
     p.registered, p.ttl, p.admission = list(e.registered), e.ttl, e.admission
     p.produced, p.rejected, p.stale_dropped = e.produced, e.rejected, e.stale_dropped
     p.expired, p.freed, p.producers, p.closes = e.expired, e.freed, e.producers, e.closes
+    p.lost, p.replicas = e.lost, e.replicas
     return p, list(e.ttl_left)
 
 

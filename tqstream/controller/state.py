@@ -6,15 +6,14 @@ to parked requests, errors for timed-out ones, and drop orders for storage units
 single timer at :meth:`ControllerState.next_deadline` and calls :meth:`expire` when it fires, so
 nothing polls.
 
-A put is two-phase: ``prepare_put`` validates everything, reserves keys, group slots and row ids
-and places the rows on storage units; the client stores the chunks; ``commit`` makes the rows
-visible at once. ``abort`` (or the put deadline) removes the reservation and orders the units to
-drop whatever chunks arrived, so a failed put leaves neither rows nor bytes.
+Puts (:mod:`~tqstream.controller.puts`), flow control (:mod:`~tqstream.controller.flow`), the
+handling of lost units and disconnected peers (:mod:`~tqstream.controller.faults`) and the deadline
+heap (:mod:`~tqstream.controller.deadlines`) are mixins over the same state, one concept per file;
+this module holds partitions, gets, consumption, clearing and stats.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import secrets
 from collections import OrderedDict
@@ -25,9 +24,11 @@ import msgspec
 from tqstream.controller.admission import (
     Admission,
 )
+from tqstream.controller.deadlines import Deadlines
+from tqstream.controller.faults import Faults
 from tqstream.controller.flow import FlowControl
 from tqstream.controller.partition import Partition, Row
-from tqstream.controller.placement import place, place_on
+from tqstream.controller.puts import Puts
 from tqstream.controller.records import (
     COMPACT_MIN,
     FINISHED_LIMIT,
@@ -38,17 +39,15 @@ from tqstream.controller.records import (
     check_window,
     version_of,
 )
+from tqstream.controller.units import UnitTable
 from tqstream.errors import (
-    FieldExistsError,
     InvalidRequestError,
     LeaseError,
     LeaseExpiredError,
     NotReadyError,
     PartitionClearedError,
-    PartitionClosedError,
     PartitionDrainedError,
     RequestTimeoutError,
-    TQStreamError,
     UnknownKeyError,
     UnknownLeaseError,
     UnknownPartitionError,
@@ -56,25 +55,21 @@ from tqstream.errors import (
 )
 from tqstream.protocol.messages import (
     Acquire,
-    FieldsPlan,
     GetMeta,
-    PlanSegment,
-    PrepareFields,
     PreparePut,
-    PutPlan,
-    StoredReply,
 )
 from tqstream.types import BatchMeta, PartitionStats
 
 
-class ControllerState(FlowControl):
-    def __init__(self, *, lease_timeout: float = 300.0, put_timeout: float = 60.0) -> None:
+class ControllerState(Puts, FlowControl, Faults, Deadlines):
+    def __init__(
+        self, *, lease_timeout: float = 300.0, put_timeout: float = 60.0, replicas: int = 1
+    ) -> None:
         self.lease_timeout = lease_timeout
         self.put_timeout = put_timeout
+        self.replicas = replicas  # copies of each row, for partitions that do not say
         self.partitions: dict[str, Partition] = {}
-        self.units: list[str] = []
-        self.unit_bytes: list[int] = []
-        self.unit_quota: list[int] = []  # 0: unlimited
+        self.units = UnitTable()
         # handle -> (put, since, the unit holding a stored put's data or None)
         self.waiting_puts: dict[Any, tuple[PreparePut, float, int | None]] = {}
         self.now = 0.0  # the latest time seen: a put woken by freed bytes is planned at it
@@ -87,7 +82,7 @@ class ControllerState(FlowControl):
         self.parked: dict[str, dict[Any, Parked]] = {}
         self._deadlines: list[tuple[float, int, str, Any]] = []
         self._compact_at = COMPACT_MIN  # heap size at which ended entries are swept out
-        self._turn = 0  # the unit equally loaded ones are taken from (placement round-robin)
+        self.slot_owners: dict[str, dict[int, Any]] = {}  # admission -> slot id -> peer
         self._ids = itertools.count(1)
         self.outbox = Effects()  # effects of calls that return something else; see take_effects
         self._next_rows: dict[str, int] = {}  # first row id of a re-created partition
@@ -99,12 +94,16 @@ class ControllerState(FlowControl):
 
     # --- units and partitions ---
     def add_unit(self, address: str, max_bytes: int = 0) -> int:
-        if address in self.units:
-            return self.units.index(address)
-        self.units.append(address)
-        self.unit_bytes.append(0)
-        self.unit_quota.append(max_bytes)
-        return len(self.units) - 1
+        """Register a storage unit; a lost one registering again revives (empty) — see
+        :meth:`~tqstream.controller.faults.Faults.revive_unit`."""
+        u, lost = self.units.add(address, max_bytes)
+        if lost:
+            self.revive_unit(u)
+        return u
+
+    def replicas_of(self, partition: str) -> int:
+        p = self.partitions.get(partition)
+        return p.replicas if p is not None and p.replicas is not None else self.replicas
 
     def partition(self, name: str) -> Partition:
         p = self.partitions.get(name)
@@ -126,6 +125,7 @@ class ControllerState(FlowControl):
         ttl: float | None = None,
         admission: str | None = None,
         producers: int | None = None,
+        replicas: int | None = None,
     ) -> None:
         if not name:
             raise InvalidRequestError("partition name must be a non-empty string")
@@ -152,6 +152,10 @@ class ControllerState(FlowControl):
             p.admission = admission
         if producers is not None:
             p.producers = producers
+        if replicas is not None:
+            if replicas not in (1, 2):
+                raise InvalidRequestError(f"replicas must be 1 or 2, got {replicas}")
+            p.replicas = replicas
 
     def close_partition(self, name: str, now: float) -> tuple[int, Effects]:
         """One producer is done. Returns the producers still open (0: closed) and the effects:
@@ -162,270 +166,6 @@ class ControllerState(FlowControl):
         if p.closed:
             self._serve_parked(name, effects, now)
         return max(p.producers - p.closes, 0), effects
-
-    # --- puts ---
-    def prepare_put(
-        self,
-        req: PreparePut,
-        now: float,
-        handle: Any = None,
-        since: float | None = None,
-        pinned: int | None = None,
-    ) -> PutPlan | None:
-        """Validate and reserve; with ``handle``, a put that does not fit the units' byte quotas
-        waits (returns None; answered later through ``take_effects``) up to ``req.timeout``.
-        ``since``: when a waiting put first asked (its timeout counts from then). ``pinned``: the
-        rows go to that unit only (its data is there already, see :meth:`put_stored`)."""
-        self.now = max(self.now, now)
-        if req.n_rows <= 0 or not req.schemas:
-            raise InvalidRequestError(
-                f"a put needs at least one row and one field (got "
-                f"{req.n_rows} rows, {len(req.schemas)} fields)"
-            )
-        for name, seq in (("keys", req.keys), ("groups", req.groups)):
-            if seq is not None and len(seq) != req.n_rows:
-                raise InvalidRequestError(
-                    f"{name}= has {len(seq)} entries but the put has {req.n_rows} rows"
-                )
-        if req.group_size is not None and req.group_size <= 0:
-            raise InvalidRequestError(f"group_size must be positive, got {req.group_size}")
-        for vname, vseq in (
-            ("version_start", req.version_start),
-            ("version_end", req.version_end),
-            ("dispatch_version", req.dispatch_version),
-        ):
-            if vseq is not None and len(vseq) != req.n_rows:
-                raise InvalidRequestError(
-                    f"{vname} has {len(vseq)} entries but the put has {req.n_rows} rows"
-                )
-        if pinned is None:
-            runs = place(self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota, self._turn)
-            self._turn += 1
-        else:
-            runs = place_on(pinned, self.unit_bytes, req.n_rows, req.nbytes, self.unit_quota)
-        if runs is None:  # no room now: back-pressure, never a silent drop
-            if handle is None or req.timeout == 0:
-                raise self._capacity_error(req, 0.0)
-            self.waiting_puts[handle] = (req, now if since is None else since, pinned)
-            if req.timeout is not None and since is None:
-                self._at(now + req.timeout, "putwait", handle)
-            return None
-        created = req.partition not in self.partitions
-        if not created and self.partitions[req.partition].closed:
-            p = self.partitions[req.partition]
-            raise PartitionClosedError(
-                f"partition {req.partition!r} is closed: its {p.producers} producer(s) called "
-                f"close_partition, so it takes no new rows (put_fields to its rows still works); "
-                f"put to another partition, or clear_partition({req.partition!r}) to start over",
-                partition=req.partition,
-            )
-        self.create_partition(req.partition, [])
-        p = self.partitions[req.partition]
-        known = len(p.bits)
-        mask = p.check_schemas(req.schemas)
-        try:
-            rows = p.reserve_rows(
-                req.n_rows, req.keys, req.groups, req.group_size, req.version,
-                frozenset(req.schemas),
-            )  # fmt: skip
-        except TQStreamError:
-            p.forget_unused_schemas(req.schemas, self._pending_fields(req.partition))
-            for f in list(p.bits)[known:]:  # fields only this refused put introduced
-                del p.bits[f]
-            if created:
-                del self.partitions[req.partition]
-            raise
-        for i, r in enumerate(rows):
-            if req.version_start is not None:
-                r.version_start = req.version_start[i]
-            if req.version_end is not None:
-                r.version_end = req.version_end[i]
-            if req.dispatch_version is not None:
-                r.dispatch_version = req.dispatch_version[i]
-        per_row = req.nbytes // req.n_rows
-        segments = []
-        for unit, start, stop in runs:
-            chunk = next(self._ids)
-            segments.append(PlanSegment(unit=unit, chunk=chunk, start=start, stop=stop))
-            for r in rows[start:stop]:
-                r.unit, r.nbytes = unit, per_row
-            self.unit_bytes[unit] += per_row * (stop - start)
-        put = self._add_pending(
-            req.partition, rows, mask, list(req.schemas), segments, True, per_row, now,
-            timed=pinned is None,  # a stored put commits at once: no put_timeout to watch
-        )  # fmt: skip
-        put.rejected = req.rejected  # an aborted put that is retried must not count them twice
-        return PutPlan(
-            rid=req.rid, put_id=put.put_id, row_ids=[r.id for r in rows], segments=segments
-        )
-
-    def prepare_fields(self, req: PrepareFields, now: float) -> FieldsPlan:
-        p = self.partition(req.partition)
-        if not req.row_ids or not req.schemas:
-            raise InvalidRequestError("put_fields needs at least one row and one field")
-        if len(set(req.row_ids)) < len(req.row_ids):
-            twice = next(r for i, r in enumerate(req.row_ids) if r in req.row_ids[:i])
-            raise InvalidRequestError(
-                f"put_fields names row {twice} more than once; a field is written once per row",
-                row=twice,
-            )
-        rows = self._rows(p, req.row_ids)
-        for name, _schema in req.schemas.items():
-            bit = p.bits.get(name, 0)
-            taken = [r.key for r in rows if (r.written | r.pending) & bit]
-            if taken:
-                raise FieldExistsError(
-                    f"field {name!r} is already written (or being written) for {len(taken)} of the "
-                    f"{len(rows)} rows in partition {req.partition!r} (e.g. key {taken[0]!r}); "
-                    f"fields cannot be overwritten: write the new values under another name",
-                    field=name,
-                    rows=len(taken),
-                )
-        mask = p.check_schemas(req.schemas)
-        by_unit: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            r.pending |= mask
-            by_unit.setdefault(r.unit, []).append(i)
-        per_row = req.nbytes // len(rows)
-        segments, positions = [], []
-        for unit, pos in sorted(by_unit.items()):
-            segments.append(PlanSegment(unit=unit, chunk=next(self._ids), start=0, stop=len(pos)))
-            positions.append(pos)
-            self.unit_bytes[unit] += per_row * len(pos)
-        for r in rows:
-            r.nbytes += per_row
-        put = self._add_pending(
-            req.partition, rows, mask, list(req.schemas), segments, False, per_row, now
-        )
-        return FieldsPlan(rid=req.rid, put_id=put.put_id, segments=segments, positions=positions)
-
-    def _add_pending(
-        self,
-        partition: str,
-        rows: list[Row],
-        mask: int,
-        fields: list[str],
-        segments: list[PlanSegment],
-        new_rows: bool,
-        per_row: int,
-        now: float,
-        timed: bool = True,
-    ) -> PendingPut:
-        put = PendingPut(
-            next(self._ids),
-            partition,
-            rows,
-            mask,
-            fields,
-            [(s.unit, s.chunk) for s in segments],
-            new_rows,
-            per_row,
-        )
-        self.pending[put.put_id] = put
-        if timed:
-            self._at(now + self.put_timeout, "put", put.put_id)
-        return put
-
-    def _pending_fields(self, partition: str) -> set[str]:
-        return {
-            f
-            for q in self.pending.values()
-            if q.partition == partition and not q.cancelled
-            for f in q.fields
-        }
-
-    def commit(self, put_id: int, now: float) -> tuple[BatchMeta | None, Effects]:
-        put = self.pending.pop(put_id, None)
-        if put is None:
-            raise self.put_error(put_id)
-        effects = Effects()
-        if put.cancelled:
-            self._finish(self.finished_puts, put_id, "cleared")
-            self._rollback(put, effects)
-            return None, effects  # the service sends the drops, then raises the error
-        self._finish(self.finished_puts, put_id, "committed")
-        p = self.partitions[put.partition]
-        if put.new_rows:
-            p.commit_rows(put.rows, put.mask)
-            p.produced += len(put.rows)
-            p.rejected += put.rejected
-            if p.ttl is not None:
-                self._at(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
-        else:
-            gone = [r.id for r in put.rows if r.id not in p.rows]  # cleared while in flight
-            if gone:
-                unit_rows = effects.drop_rows
-                for r in put.rows:
-                    if r.id not in p.rows:
-                        unit_rows.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
-            p.commit_fields([r for r in put.rows if r.id in p.rows], put.mask)
-        self._serve_parked(put.partition, effects, now)
-        meta = self._meta(p, put.rows, put.fields) if put.new_rows else None
-        return meta, effects
-
-    def put_stored(
-        self,
-        req: PreparePut,
-        unit: int,
-        now: float,
-        handle: Any = None,
-        since: float | None = None,
-    ) -> StoredReply | None:
-        """A put whose columns storage unit ``unit`` already holds (``PutRows``): its rows are
-        placed on that unit and committed in one step, or the put waits for room there like any
-        put (None). Refused puts change nothing; the unit then drops the columns."""
-        plan = self.prepare_put(req, now, handle, since, unit)
-        if plan is None:
-            return None
-        meta, effects = self.commit(plan.put_id, now)
-        self.outbox.extend(effects)
-        assert meta is not None  # a new put's rows, committed in the same step
-        return StoredReply(rid=req.rid, chunk=plan.segments[0].chunk, meta=meta)
-
-    def put_error(self, put_id: int) -> TQStreamError:
-        status = self.finished_puts.get(put_id)
-        if status == "expired":
-            return RequestTimeoutError(
-                f"put {put_id} was not committed within put_timeout={self.put_timeout}s and was "
-                f"rolled back (no rows, no bytes kept); retry the put",
-                put_id=put_id,
-            )
-        if status == "cleared":
-            return PartitionClearedError(
-                f"the partition of put {put_id} was cleared while the put was in flight; nothing "
-                f"was stored",
-                put_id=put_id,
-            )
-        return InvalidRequestError(
-            f"put {put_id} is unknown or already {status or 'finished'}", put_id=put_id
-        )
-
-    def abort(self, put_id: int) -> Effects:
-        effects = Effects()
-        put = self.pending.pop(put_id, None)
-        if put is not None:
-            self._finish(self.finished_puts, put_id, "aborted")
-            self._rollback(put, effects)
-        return effects
-
-    def _rollback(self, put: PendingPut, effects: Effects) -> None:
-        for unit, chunk in put.chunks:
-            effects.drop_chunks.setdefault(unit, []).append(chunk)
-        if put.cancelled:
-            return  # the partition and its rows are gone already
-        p = self.partitions[put.partition]
-        if put.new_rows:
-            for r in p.remove_rows([r.id for r in put.rows]):
-                self.unit_bytes[r.unit] -= r.nbytes
-        else:
-            for r in put.rows:
-                if p.rows.get(r.id) is not r:
-                    continue  # cleared since: clear_samples freed its bytes, this put's included
-                r.pending &= ~put.mask
-                r.nbytes -= put.per_row
-                self.unit_bytes[r.unit] -= put.per_row
-        p.forget_unused_schemas(put.fields, self._pending_fields(put.partition))
-        self._serve_parked_puts()
 
     # --- gets ---
     def get_meta(self, req: GetMeta, handle: Any, now: float) -> BatchMeta | None:
@@ -500,6 +240,7 @@ class ControllerState(FlowControl):
             now + (req.lease_timeout or self.lease_timeout),
             req.current_version,
             req.measure,
+            getattr(parked.handle, "peer", None),
         )
         self.leases[lease_id] = lease
         self._at(lease.deadline, "lease", lease_id)
@@ -659,6 +400,13 @@ class ControllerState(FlowControl):
         outside = [r for r in live if r not in acked and (lease is None or r not in lease.rows)]
         if not outside:
             return lease, p
+        if status == "disconnected":
+            raise LeaseExpiredError(
+                f"lease {lease_id} of task {task!r} was given up when the connection that took it "
+                f"dropped (the client died, or missed heartbeats for 3 intervals): its "
+                f"{len(outside)} unacked rows went back to available and may be delivered again",
+                lease_id=lease_id,
+            )
         if status == "expired":
             raise LeaseExpiredError(
                 f"lease {lease_id} of task {task!r} expired (lease_timeout) before this call: its "
@@ -682,13 +430,18 @@ class ControllerState(FlowControl):
         self._evict(self.partition(partition), row_ids, effects)
         return effects
 
-    def _evict(self, p: Partition, row_ids: list[int], effects: Effects) -> list[Row]:
-        """Delete committed rows for every task and order their storage freed."""
+    def _evict(
+        self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
+    ) -> list[Row]:
+        """Delete committed rows for every task and (``order``) order their storage freed."""
         rows = p.rows
         removed = p.remove_rows([r for r in row_ids if r in rows and rows[r].committed])
         for r in removed:
-            self.unit_bytes[r.unit] -= r.nbytes
-            effects.drop_rows.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
+            self._charge(r, -r.nbytes)
+            if order:
+                for u in (r.unit, r.replica):
+                    if u >= 0:
+                        effects.drop_rows.setdefault(u, {}).setdefault(p.name, []).append(r.id)
         if removed:
             ids = {r.id for r in removed}
             for lease in list(self.leases.values()):
@@ -712,7 +465,7 @@ class ControllerState(FlowControl):
         if p is None:
             return effects
         for r in p.rows.values():
-            self.unit_bytes[r.unit] -= r.nbytes
+            self._charge(r, -r.nbytes)
         # A put to a re-created partition of this name can reach a unit before this order: scope
         # the drop to older chunks, and never reuse row ids under the name (see create_partition).
         effects.drop_partitions.append((partition, next(self._ids)))
@@ -735,82 +488,6 @@ class ControllerState(FlowControl):
             )
         del self.partitions[partition]
         self._serve_parked_puts()
-        return effects
-
-    # --- time ---
-    def _at(self, deadline: float, kind: str, ref: Any) -> None:
-        heapq.heappush(self._deadlines, (deadline, next(self._ids), kind, ref))
-        if len(self._deadlines) >= self._compact_at:
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop the entries of leases, puts and waits that ended before their deadline (the heap
-        deletes lazily): the heap stays within twice its live entries, at amortised O(1) a push."""
-        self._deadlines = [e for e in self._deadlines if self._live(e)]
-        heapq.heapify(self._deadlines)
-        self._compact_at = max(COMPACT_MIN, 2 * len(self._deadlines))
-
-    def _live(self, entry: tuple[float, int, str, Any]) -> bool:
-        deadline, _, kind, ref = entry
-        if kind == "lease":
-            lease = self.leases.get(ref)
-            return lease is not None and lease.deadline == deadline
-        if kind == "acquire":
-            return ref in self.waiting_acquires
-        if kind == "putwait":
-            return ref in self.waiting_puts
-        if kind == "put":
-            return ref in self.pending
-        if kind == "ttl":
-            return self.partitions.get(ref[0].name) is ref[0]
-        return self.parked.get(ref.req.partition, {}).get(ref.handle) is ref
-
-    def next_deadline(self) -> float | None:
-        return self._deadlines[0][0] if self._deadlines else None
-
-    def expire(self, now: float) -> Effects:
-        self.now = max(self.now, now)
-        effects = Effects()
-        touched: set[str] = set()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, _, kind, ref = heapq.heappop(self._deadlines)
-            if kind == "lease":
-                lease = self.leases.get(ref)
-                if lease is not None and lease.deadline == deadline:
-                    p = self.partitions[lease.partition]
-                    p.release(lease.task, sorted(lease.rows))
-                    self._end_lease(lease, "expired")
-                    touched.add(lease.partition)
-            elif kind == "acquire":
-                waited = self.waiting_acquires.pop(ref, None)
-                if waited is not None:
-                    effects.failed.append((ref, self._acquire_timeout(waited[0], now - waited[1])))
-            elif kind == "putwait":
-                put_wait = self.waiting_puts.pop(ref, None)
-                if put_wait is not None:
-                    error = self._capacity_error(put_wait[0], now - put_wait[1])
-                    effects.failed.append((ref, error))
-            elif kind == "ttl":
-                owner: Partition = ref[0]
-                if self.partitions.get(owner.name) is owner:  # not cleared and re-created since
-                    owner.expired += len(self._evict(owner, ref[1], effects))
-            elif kind == "put":
-                put = self.pending.pop(ref, None)
-                if put is not None:
-                    self._finish(self.finished_puts, ref, "cleared" if put.cancelled else "expired")
-                    self._rollback(put, effects)
-            else:
-                parked: Parked = ref
-                if parked.req.partition in touched:  # rows given back before this timeout
-                    touched.discard(parked.req.partition)
-                    self._serve_parked(parked.req.partition, effects, now)
-                waiting = self.parked.get(parked.req.partition, {})
-                if waiting.get(parked.handle) is parked:
-                    del waiting[parked.handle]
-                    p = self.partitions[parked.req.partition]
-                    effects.failed.append((parked.handle, self._timeout_error(p, parked.req)))
-        for name in touched:
-            self._serve_parked(name, effects, now)
         return effects
 
     @staticmethod
@@ -856,6 +533,7 @@ class ControllerState(FlowControl):
             task=task,
             lease_id=lease_id,
             dispatch_version=[r.dispatch_version for r in rows],
+            replicas=[r.replica for r in rows] if any(r.replica >= 0 for r in rows) else [],
         )
 
     def stats(self, partition: str | None) -> dict[str, PartitionStats]:
@@ -879,5 +557,7 @@ class ControllerState(FlowControl):
                 freed=p.freed,
                 tasks_registered=list(p.registered),
                 producers_open=max(p.producers - p.closes, 0),
+                lost=p.lost,
+                replicas=self.replicas_of(name),
             )
         return out

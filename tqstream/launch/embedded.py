@@ -117,12 +117,14 @@ def init(
     put_timeout: float | None = None,
     max_message_bytes: int | None = None,
     storage_max_bytes: int | None = None,
+    replicas: int | None = None,
     client_config: ClientConfig | None = None,
 ) -> Any:
     """Start an embedded controller and ``storage_units`` storage units; return a client.
 
     ``storage_max_bytes``: byte quota per storage unit (puts wait for room, then raise
-    CapacityError). Closing the client stops them. Settings left as None come from
+    CapacityError). ``replicas``: copies of each row (2 needs ``storage_units >= 2``; see
+    ``ControllerConfig.replicas``). Closing the client stops them. Settings left as None come from
     ``TQSTREAM_*`` environment variables or the defaults in :mod:`tqstream.config`.
     """
     from tqstream.client.client import Client
@@ -132,6 +134,7 @@ def init(
         lease_timeout=lease_timeout,
         put_timeout=put_timeout,
         max_message_bytes=max_message_bytes,
+        replicas=replicas,
         host="127.0.0.1",
         port=0,
     )

@@ -1,10 +1,13 @@
 """``tqstream-launch``: a controller and N storage units as separate processes.
 
 The launcher starts the controller, then the storage units (each registers with the controller),
-prints one line with the connect address once all of them serve, and stays in the foreground. On
-SIGINT/SIGTERM, or if any child dies, it stops every child (SIGTERM, then SIGKILL after a grace
-period) and exits; the children also exit on their own if the launcher dies (they watch a pipe
-from it), so no orphan keeps a port.
+prints one line with the connect address once all of them serve, and stays in the foreground. A
+storage unit that exits is started again at the same address (``--on-unit-exit restart``, the
+default; the controller has counted its rows lost, unless they had replicas, and the new process
+registers and takes new rows) or stops the cluster (``stop``). On SIGINT/SIGTERM, or if the
+controller dies, it stops every child (SIGTERM, then SIGKILL after a grace period) and exits; the
+children also exit on their own if the launcher dies (they watch a pipe from it), so no orphan
+keeps a port.
 """
 
 from __future__ import annotations
@@ -41,10 +44,14 @@ class ProcessCluster:
         put_timeout: float | None = None,
         max_message_bytes: int | None = None,
         storage_max_bytes: int | None = None,
+        replicas: int | None = None,
     ) -> None:
         if storage_units < 1:
             raise ValueError(f"--storage-units must be at least 1, got {storage_units}")
+        if replicas is not None and replicas not in (1, 2):
+            raise ValueError(f"--replicas must be 1 or 2, got {replicas}")
         self.procs: list[subprocess.Popen[str]] = []
+        self.restarts = 0
         extra = []
         for flag, value in (
             ("--lease-timeout", lease_timeout),
@@ -54,19 +61,39 @@ class ProcessCluster:
             if value is not None:
                 extra += [flag, str(value)]
         try:
-            controller = self._spawn(["controller", "--host", host, "--port", str(port), *extra])
+            ctrl_args = [] if replicas is None else ["--replicas", str(replicas)]
+            controller = self._spawn(
+                ["controller", "--host", host, "--port", str(port), *extra, *ctrl_args]
+            )
             self.address = self._ready(controller, "controller")
             quota = [] if storage_max_bytes is None else ["--max-bytes", str(storage_max_bytes)]
+            self._unit_args = ["--host", host, "--controller", self.address, *extra, *quota]
             units = [
-                self._spawn(
-                    ["storage", "--host", host, "--controller", self.address, *extra, *quota]
-                )
-                for _ in range(storage_units)
+                self._spawn(["storage", *self._unit_args]) for _ in range(storage_units)
             ]  # start together, then wait for each
             self.unit_addresses = [self._ready(u, "storage unit") for u in units]
         except BaseException:
             self.close()
             raise
+
+    def restart_unit(self, i: int) -> str:
+        """Start storage unit ``i`` again (after it exited, or stop it first) at its address, so
+        clients and the controller find it where it was; returns the address."""
+        old = self.procs[i + 1]
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        for stream in (old.stdin, old.stdout):
+            if stream is not None:
+                stream.close()
+        port = self.unit_addresses[i].rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "tqstream.launch.worker", "storage", *self._unit_args]
+        cmd += ["--port", port, "--watch-stdin"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.procs[i + 1] = proc
+        self.unit_addresses[i] = self._ready(proc, "storage unit")
+        self.restarts += 1
+        return self.unit_addresses[i]
 
     def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "tqstream.launch.worker", *args, "--watch-stdin"]
@@ -95,6 +122,10 @@ class ProcessCluster:
 
     def dead_child(self) -> subprocess.Popen[str] | None:
         return next((p for p in self.procs if p.poll() is not None), None)
+
+    def dead_units(self) -> list[int]:
+        """Indices of the storage units whose process exited."""
+        return [i for i, p in enumerate(self.procs[1:]) if p.poll() is not None]
 
     def close(self, grace: float = 5.0) -> None:
         """Stop every child: SIGTERM, then SIGKILL after ``grace`` seconds. Idempotent.
@@ -152,6 +183,14 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="Number of storage-unit processes (default: 1).",
     )
+    p.add_argument(
+        "--on-unit-exit",
+        choices=["restart", "stop"],
+        default="restart",
+        help="What to do when a storage-unit process exits: start it again at the same address "
+        "(its rows are counted lost unless replicated) or stop the whole cluster "
+        "(default: restart).",
+    )
     docs = _field_docs(ControllerConfig)
     for f in dataclasses.fields(ControllerConfig):
         if f.name == "storage_timeout":
@@ -170,6 +209,23 @@ def _parser() -> argparse.ArgumentParser:
         help=f"{sdocs['max_bytes']} Per storage unit. (default: {StorageConfig.max_bytes})",
     )
     return p
+
+
+def _restart(cluster: ProcessCluster, units: list[int]) -> bool:
+    for i in units:
+        exit_code = cluster.procs[i + 1].returncode
+        try:
+            address = cluster.restart_unit(i)
+        except (RuntimeError, OSError) as exc:
+            print(f"tqstream-launch: storage unit {i} cannot restart: {exc}", file=sys.stderr)
+            return False
+        print(
+            f"tqstream-launch: storage unit {i} exited with code {exit_code}; restarted at "
+            f"{address}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             put_timeout=args.put_timeout,
             max_message_bytes=args.max_message_bytes,
             storage_max_bytes=args.storage_max_bytes or None,
+            replicas=args.replicas,
         )
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"tqstream-launch: {exc}", file=sys.stderr)
@@ -204,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         while not stop.wait(0.5):
+            units = cluster.dead_units()
+            if units and args.on_unit_exit == "restart" and cluster.procs[0].poll() is None:
+                if not _restart(cluster, units):
+                    code = 1
+                    break
+                continue
             dead = cluster.dead_child()
             if dead is not None:
                 print(

@@ -44,6 +44,7 @@ async def _run(args: argparse.Namespace) -> None:
                 lease_timeout=args.lease_timeout,
                 put_timeout=args.put_timeout,
                 max_message_bytes=args.max_message_bytes,
+                replicas=args.replicas,
             )
         )
         serving = loop.create_task(service.serve(), name="tqstream-controller")
@@ -54,7 +55,7 @@ async def _run(args: argparse.Namespace) -> None:
             from_env(
                 StorageConfig,
                 host=args.host,
-                port=0,
+                port=args.port,
                 max_message_bytes=args.max_message_bytes,
                 max_bytes=args.max_bytes,
             ),
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--put-timeout", type=float, default=None)
     p.add_argument("--max-message-bytes", type=int, default=None)
     p.add_argument("--max-bytes", type=int, default=None)
+    p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--watch-stdin", action="store_true")
     args = p.parse_args(argv)
     asyncio.run(_run(args))

@@ -85,10 +85,15 @@ class Connection:
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
         self._grace: dict[int, asyncio.TimerHandle] = {}  # requests sent while the link is down
         self._down = False
+        self._ever_up = False
         self._closed = False
         self._broken: BaseException | None = None
         self._unsent: list[list[Any]] = []  # requests ZMQ would not take yet (never with HWM 0)
         self._poller: zmq.Poller | None = None  # for requests that wait without a running loop
+        self.on_down: Callable[[], None] | None = None
+        """Called when the TCP connection drops (the peer died, or missed 3 heartbeats)."""
+        self.on_up: Callable[[], None] | None = None
+        """Called when the connection is back after a drop (the same or a restarted peer)."""
         self.wake: int | None = None
         """A file descriptor that, once readable, ends a request waiting without a running loop
         with ``ClosedError`` (another thread closes the client: ``lanes.py``)."""
@@ -135,6 +140,7 @@ class Connection:
         address: str,
         *,
         role: str = "client",
+        session: bytes = b"",
         connect_timeout: float,
         heartbeat_interval: float,
         max_message_bytes: int,
@@ -143,7 +149,7 @@ class Connection:
         and closes the socket on any failure."""
         conn = cls(ctx, address, role, connect_timeout, heartbeat_interval, max_message_bytes)
         try:
-            hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role)
+            hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role, session=session)
             try:
                 reply, _ = await conn.request(hello, timeout=connect_timeout)
             except (RequestTimeoutError, ConnectionLostError):
@@ -299,6 +305,11 @@ class Connection:
         loop.add_reader(self._fds[1], self._guard, self._watch)
         loop.call_soon(self._guard, self._watch)
 
+    @property
+    def down(self) -> bool:
+        """The connection dropped and is not back yet."""
+        return self._down
+
     def check_link(self) -> None:
         """Handle the monitor's waiting connection events now (``ClientCore.check_links``)."""
         self._guard(self._watch)
@@ -353,13 +364,17 @@ class Connection:
             if event == zmq.EVENT_MONITOR_STOPPED:
                 return
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._down = False
+                was_down, self._down, self._ever_up = self._down, False, True
                 for grace in self._grace.values():
                     grace.cancel()
                 self._grace.clear()
+                if was_down and self.on_up is not None:
+                    self.on_up()
             elif event == zmq.EVENT_DISCONNECTED:  # the pending replies died with the connection
                 self._down = True
                 self._fail_all(ConnectionLostError, _LOST)
+                if self._ever_up and self.on_down is not None:
+                    self.on_down()
 
     def _unreachable(self, rid: int) -> None:
         self._grace.pop(rid, None)

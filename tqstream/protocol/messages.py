@@ -81,6 +81,7 @@ class PlanSegment(msgspec.Struct, frozen=True):
     chunk: int
     start: int
     stop: int
+    replica: int = -1  # the unit that stores a second copy (same chunk id); -1: none
 
 
 class _Msg(msgspec.Struct, frozen=True, tag=True, tag_field="op"):
@@ -91,6 +92,9 @@ class _Msg(msgspec.Struct, frozen=True, tag=True, tag_field="op"):
 class Hello(_Msg, frozen=True, tag="hello"):
     protocol: int
     role: str = "client"
+    # the client this connection belongs to (a client opens several: one per thread or loop);
+    # what the client held is given back when its last connection drops. b"": this one alone
+    session: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Welcome(_Msg, frozen=True, tag="welcome"):
@@ -116,6 +120,7 @@ class CreatePartition(_Msg, frozen=True, tag="create_partition"):
     ttl: Seconds | None = None  # seconds a committed row lives before it is evicted
     admission: str | None = None  # the admission feeding it: stale evictions return budget
     producers: Rows | None = None  # close_partition calls that close it (None: unchanged / 1)
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=2)] | None = None  # copies of each row
 
 
 class ClosePartition(_Msg, frozen=True, tag="close_partition"):
@@ -260,6 +265,13 @@ class DropPartition(_Msg, frozen=True, tag="drop_partition"):
     before_chunk: Id = 0  # only chunks with smaller ids (the cleared incarnation); 0: all
 
 
+class ResetUnit(_Msg, frozen=True, tag="reset_unit"):
+    """The controller gave this unit's rows up (it was lost): drop every chunk older than
+    ``before_chunk``, in every partition (chunks of puts placed since its revival are younger)."""
+
+    before_chunk: Id
+
+
 class GetUnitStats(_Msg, frozen=True, tag="get_unit_stats"):
     pass
 
@@ -362,6 +374,7 @@ Request = (
     | DropRows
     | DropChunks
     | DropPartition
+    | ResetUnit
     | GetUnitStats
     | CountRejected
     | CreateAdmission

@@ -4,17 +4,27 @@ A server survives anything a peer sends: every per-message step is guarded, and 
 an ``ErrorReply`` rather than silence. Each request is handed to the handler in arrival order on
 the caller's asyncio loop; a handler answers at once, later through its :class:`Responder` (a
 parked request), or with an awaitable the server runs as a task.
+
+A server can also tell its owner when a peer's connection drops (``on_disconnect``): libzmq's
+ROUTER does not say which peer a TCP disconnect was (its notification is a draft API), so the
+server watches its socket monitor, whose events name the connection's file descriptor, and learns
+each peer's descriptor from the first message it sends (``ZMQ_SRCFD``). A peer is a *session*:
+the connections whose handshake named the same ``Hello.session`` (one client's connections, one
+per thread or event loop), or a connection alone; it is gone once its last connection dropped. A
+client that reconnects opens a new connection, so the dropped one counts as gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from tqstream.errors import InternalError, MalformedMessageError, MessageTooLargeError
 from tqstream.protocol.messages import PROTOCOL_VERSION, Hello, Welcome, decode_request, encode
@@ -43,11 +53,13 @@ class Responder:
     answers later (a parked request); it stays valid until the server closes, after which answers
     are dropped (the peer's connection fails on its own). Answering twice is a bug and raises."""
 
-    __slots__ = ("_identity", "_server", "answered", "op", "rid")
+    __slots__ = ("_identity", "_server", "answered", "op", "peer", "rid")
 
     def __init__(self, server: Server, identity: bytes, rid: int, op: str) -> None:
         self._server, self._identity, self.rid, self.op = server, identity, rid, op
         self.answered = False
+        self.peer = server._sessions.get(identity, identity)
+        """The session the request came from (what ``on_disconnect`` names once it is gone)."""
 
     def reply(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
         if self.answered:
@@ -80,9 +92,11 @@ class Server:
         inproc_units: Callable[[], list[str]] = lambda: [],
         shm: str = "",
         inproc: bool = False,
+        on_disconnect: Callable[[bytes], None] | None = None,
     ) -> None:
         """``inproc``: also bind an ``inproc://`` endpoint (``inproc_address``) for clients in this
-        process that share ``ctx``; they skip TCP and libzmq's I/O thread."""
+        process that share ``ctx``; they skip TCP and libzmq's I/O thread. ``on_disconnect(peer)``
+        is called, on the serving loop, when a TCP peer that sent a request disconnects."""
         self.name = name
         self.max_message_bytes = max_message_bytes
         self._handler = handler
@@ -115,6 +129,17 @@ class Server:
         self._fd = _fd(sock)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._on_disconnect = on_disconnect
+        self._peer_fd: dict[bytes, int] = {}
+        self._fd_peers: dict[int, set[bytes]] = {}
+        self._sessions: dict[bytes, bytes] = {}  # connection -> the session its Hello named
+        self._members: dict[bytes, int] = {}  # session -> its connections not yet dropped
+        self._monitor: zmq.Socket[Any] | None = None
+        if on_disconnect is not None:
+            endpoint = f"inproc://tqstream-peers-{next(_ENDPOINTS)}"
+            sock.monitor(endpoint, zmq.EVENT_DISCONNECTED)
+            self._monitor = _socket(ctx, zmq.PAIR)
+            self._monitor.connect(endpoint)
 
     async def serve(self) -> None:
         """Serve until ``close()``; then return. Raises only what breaks the server itself (never
@@ -129,6 +154,8 @@ class Server:
         self._done = loop.create_future()
         loop.add_reader(self._fd, self._drain)
         loop.call_soon(self._drain)  # messages that arrived before the reader was added
+        if self._monitor is not None:
+            loop.add_reader(_fd(self._monitor), self._watch_peers)
         try:
             await asyncio.shield(self._done)
         finally:
@@ -139,6 +166,8 @@ class Server:
     def _stop_reading(self) -> None:
         if self._loop is not None and not self._sock.closed:
             self._loop.remove_reader(self._fd)
+            if self._monitor is not None:
+                self._loop.remove_reader(_fd(self._monitor))
 
     async def close(self) -> None:
         """Stop receiving, cancel in-flight handler tasks, close the socket. Idempotent."""
@@ -152,8 +181,46 @@ class Server:
         tasks = [t for t in self._tasks if t is not current]
         for t in tasks:
             t.cancel()
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=0)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- peers ---
+    def _track(self, identity: bytes, frame: zmq.Frame) -> None:
+        """Learn the descriptor of a peer's first message. Disconnects queued before it are
+        handled first: a new connection may reuse the descriptor of one that just dropped."""
+        self._watch_peers()
+        fd = -1
+        with contextlib.suppress(zmq.ZMQError):
+            fd = frame.get(zmq.SRCFD)
+        self._peer_fd[identity] = fd
+        if fd >= 0:  # inproc peers have none (they live and die with this process)
+            self._fd_peers.setdefault(fd, set()).add(identity)
+
+    def _watch_peers(self) -> None:
+        monitor = self._monitor
+        if monitor is None or monitor.closed:
+            return
+        while _events(monitor) & POLLIN:
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            for identity in self._fd_peers.pop(int(event["value"]), ()):
+                self._peer_fd.pop(identity, None)
+                peer = self._sessions.pop(identity, identity)
+                if peer != identity:
+                    self._members[peer] -= 1
+                    if self._members[peer]:
+                        continue  # the client's other connections live on
+                    del self._members[peer]
+                if not self._closed and self._on_disconnect is not None:
+                    try:
+                        self._on_disconnect(peer)
+                    except Exception as exc:  # the owner's bug: end serve() with it
+                        self._fatal(exc)
 
     def _drain(self) -> None:
         """Handle every message waiting on the socket (the ZMQ fd is edge-triggered: it signals
@@ -169,6 +236,8 @@ class Server:
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         """Handle one message; whatever goes wrong becomes an ``ErrorReply`` to its sender."""
         identity, payload = frames[0].bytes, frames[1:]
+        if self._monitor is not None and identity not in self._peer_fd:
+            self._track(identity, frames[-1])
         responder = Responder(self, identity, 0, "request")
         try:
             if not payload:
@@ -192,6 +261,10 @@ class Server:
             responder.rid, responder.op = msg.rid, _op(msg)
             if isinstance(msg, Hello):
                 responder.reply(self._welcome(msg))
+                tracked = self._peer_fd.get(identity, -1) >= 0  # a TCP connection, watched
+                if msg.session and tracked and identity not in self._sessions:
+                    self._sessions[identity] = msg.session
+                    self._members[msg.session] = self._members.get(msg.session, 0) + 1
                 return
             self._deliver(responder, self._handler(msg, payload, responder))
         except Exception as exc:

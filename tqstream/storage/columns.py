@@ -272,6 +272,10 @@ class ColumnStore:
                     del part.rows[row]
             self._release(part, chunk)
 
+    def partitions(self) -> list[str]:
+        """The partitions holding chunks here."""
+        return list(self._partitions)
+
     def drop_partition(self, partition: str, before_chunk: int = 0) -> None:
         """Drop the partition's chunks; with ``before_chunk``, only those with smaller ids.
 

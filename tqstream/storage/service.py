@@ -62,6 +62,7 @@ from tqstream.protocol.messages import (
     PutStored,
     Region,
     RegisterUnit,
+    ResetUnit,
     SaveUnit,
     Store,
     StoredReply,
@@ -386,6 +387,12 @@ class StorageService:
                 return self.checkpoints.save(msg)
             case LoadUnit():
                 return self.checkpoints.load(msg)
+            case ResetUnit():
+                # stored puts still landing get their chunk ids from the controller, which
+                # commits them only now that the unit is revived: they are younger, and stay
+                for partition in s.partitions():
+                    s.drop_partition(partition, msg.before_chunk)
+                return Ok(rid=msg.rid)
             case GetUnitStats():
                 stats = UnitStats(
                     address=self.address,

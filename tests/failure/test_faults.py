@@ -1,0 +1,332 @@
+"""Faults with real processes and real signals: dead clients, lost and revived storage units,
+replicated partitions. Every test checks that nothing is lost that need not be (by content), that
+what is lost is counted, and that the storage bytes come back to zero."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import tqstream
+from tqstream.launch.processes import ProcessCluster
+
+WORKER = Path(__file__).with_name("fault_client.py")
+FAST = tqstream.ClientConfig(connect_timeout=3.0)
+
+
+def _until(what: Callable[[], bool], limit: float = 10.0) -> float:
+    """Seconds until ``what()`` held; fails after ``limit``."""
+    t0 = time.monotonic()
+    while not what():
+        assert time.monotonic() - t0 < limit, "condition not met in time"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+@pytest.fixture
+def cluster() -> Iterator[ProcessCluster]:
+    with ProcessCluster(2, storage_max_bytes=200_000) as c:
+        yield c
+
+
+def _client_process(address: str, mode: str, partition: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), address, mode, partition],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    return proc
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
+def _rows(x: int, n: int = 4) -> dict[str, torch.Tensor]:
+    return {"x": torch.arange(x, x + n, dtype=torch.float32)[:, None].repeat(1, 10)}
+
+
+# --- dead clients ---
+def test_a_dead_clients_parked_get_is_cancelled(cluster: ProcessCluster) -> None:
+    with tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"])
+        dead = _client_process(cluster.address, "park-get", "p")
+        _until(lambda: c.stats("p").partitions["p"].parked_requests == 1)
+        _kill(dead)
+        _until(lambda: c.stats("p").partitions["p"].parked_requests == 0, 5.0)
+        c.put(_rows(0), "p")  # would have been leased to the dead client
+        batch = c.get("p", "x", 4, "t", timeout=5)
+        assert batch.data["x"][:, 0].tolist() == [0, 1, 2, 3]
+
+
+def test_a_dead_clients_lease_is_released_at_once(cluster: ProcessCluster) -> None:
+    with tqstream.connect(cluster.address, FAST) as c:
+        c.put(_rows(0), "p")
+        dead = _client_process(cluster.address, "lease", "p")
+        assert c.stats("p").partitions["p"].tasks["t"].leased == 4
+        _kill(dead)
+        # the lease had 300 s to run: the rows come back because the connection dropped
+        batch = c.get("p", "x", 4, "t", timeout=5)
+        assert sorted(batch.data["x"][:, 0].tolist()) == [0, 1, 2, 3]
+        batch.ack()
+        t = c.stats("p").partitions["p"].tasks["t"]
+        assert (t.available, t.leased, t.acked) == (0, 0, 4)
+
+
+def test_a_dead_producers_slots_come_back(cluster: ProcessCluster) -> None:
+    with tqstream.connect(cluster.address, FAST) as c:
+        adm = c.admission("slots", name="adm", max_pending_slots=2, max_version_slots=100)
+        dead = _client_process(cluster.address, "slots", "p")
+        assert adm.state()["running"] == 2 and adm.try_acquire(1) == []
+        _kill(dead)
+        ids = adm.acquire(2, timeout=5)  # capacity is not shrunk for good
+        assert len(ids) == 2
+        assert adm.state()["rejected"] == 2  # the dead producer's, released as rejected
+
+
+def test_a_freed_slot_is_not_granted_to_a_dead_producers_parked_acquire(
+    cluster: ProcessCluster,
+) -> None:
+    with tqstream.connect(cluster.address, FAST) as c:
+        adm = c.admission("slots", name="adm", max_pending_slots=2, max_version_slots=100)
+        mine = adm.acquire(2, timeout=5)
+        dead = _client_process(cluster.address, "park-acquire", "p")
+        _kill(dead)
+        time.sleep(0.5)  # the disconnect reaches the controller
+        adm.release(mine[:1])
+        assert len(adm.acquire(1, timeout=5)) == 1  # the freed slot came to a live producer
+        assert adm.state()["running"] == 2
+
+
+def test_room_freed_under_a_quota_is_not_kept_for_a_dead_producers_put(
+    cluster: ProcessCluster,
+) -> None:
+    with tqstream.connect(cluster.address, FAST) as c:
+        for i in range(10):  # 10 x 40 kB: the two units' 2 x 200 kB quotas are full
+            c.put({"x": torch.full((4, 2500), float(i))}, "full")
+        with pytest.raises(tqstream.CapacityError):
+            c.put({"x": torch.zeros(4, 1000)}, "p", timeout=0)
+        dead = _client_process(cluster.address, "wait-put", "p")  # waits for room
+        _kill(dead)
+        time.sleep(0.5)
+        c.clear_partition("full")
+        t0 = time.monotonic()
+        c.put({"x": torch.zeros(4, 1000)}, "p", timeout=5)
+        assert time.monotonic() - t0 < 2
+        st = c.stats()
+        assert st.partitions["p"].rows == 4  # the dead producer's put never landed
+
+
+def test_a_lease_outlives_the_thread_lane_that_took_it(cluster: ProcessCluster) -> None:
+    """A client's connections (one per calling thread) are one session: a thread that took a
+    lease and ended closes its connection, but the client lives on, so the lease stays."""
+    with tqstream.connect(cluster.address, FAST) as c:
+        c.put(_rows(0), "p")
+        taken: list[tqstream.BatchMeta] = []
+        worker = threading.Thread(target=lambda: taken.append(c.get_meta("p", "x", 4, "t")))
+        worker.start()
+        worker.join()
+        other = threading.Thread(target=lambda: c.stats())  # its lane closes the dead thread's
+        other.start()
+        other.join()
+        time.sleep(1.0)
+        assert c.stats("p").partitions["p"].tasks["t"].leased == 4
+        assert c.ack(taken[0]) == 4
+
+
+# --- lost units ---
+def _fill(c: tqstream.Client, partition: str, puts: int, first: int = 0) -> dict[int, set[float]]:
+    """``puts`` puts of 4 rows each, row values distinct; returns unit -> the values it holds."""
+    held: dict[int, set[float]] = {}
+    for i in range(puts):
+        rows = _rows(first + 4 * i)
+        meta = c.put(rows, partition)
+        for u, v in zip(meta.units, rows["x"][:, 0].tolist(), strict=True):
+            held.setdefault(u, set()).add(v)
+    return held
+
+
+def _drain(c: tqstream.Client, partition: str, n: int) -> list[float]:
+    """Get (and ack) ``n`` rows for task t; check each row is intact."""
+    seen: list[float] = []
+    while len(seen) < n:
+        batch = c.get(partition, "x", min(4, n - len(seen)), "t", timeout=5)
+        x = batch.data["x"]
+        assert torch.equal(x, x[:, :1].repeat(1, 10))
+        seen += x[:, 0].tolist()
+        batch.ack()
+    return seen
+
+
+def _proc_of(cluster: ProcessCluster, c: tqstream.Client, unit: int) -> int:
+    """The index in ``cluster.unit_addresses`` of the controller's unit ``unit``."""
+    return cluster.unit_addresses.index(c.stats().units[unit].address)
+
+
+def test_a_killed_unit_is_detected_its_rows_counted_lost_and_the_rest_served() -> None:
+    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"])
+        held = _fill(c, "p", 8)
+        assert sorted(len(v) for v in held.values()) == [16, 16]  # puts alternate units
+        leased = c.get_meta("p", "x", 32, "peek")  # another task holds every row, unacked
+        victim = 1
+        cluster.procs[1 + _proc_of(cluster, c, victim)].kill()
+        took = _until(lambda: not c.stats().units[victim].alive, 5.0)
+        t0 = time.monotonic()
+        st = c.stats("p")
+        assert time.monotonic() - t0 < 1.0  # stats answer at once with a dead unit
+        p = st.partitions["p"]
+        assert (p.lost, p.rows) == (16, 16)
+        assert p.tasks["peek"].lost == 16 and p.tasks["t"].lost == 16  # t is registered
+        assert st.units[victim].alive is False
+        values = _drain(c, "p", 16)
+        assert sorted(values) == sorted(held[1 - victim])  # the survivors, each once
+        with pytest.raises(tqstream.RequestTimeoutError):
+            c.get_meta("p", "x", 1, "t", timeout=0.2)
+        # the survivors were freed once t (the registered task) acked them, the lost rows are
+        # gone: nothing of the lease is left, and acking it is harmless
+        assert c.ack(leased) == 0
+        for i in range(6):  # new puts all go to the live unit
+            assert set(c.put(_rows(100 + 4 * i), "q").units) == {1 - victim}
+        c.clear_partition("q")
+        _until(lambda: c.stats().storage_bytes == 0, 5.0)  # p's rows were acked by t: freed
+        print(f"unit loss detected in {took:.2f}s")
+
+
+def test_a_restarted_unit_registers_again_and_takes_new_rows() -> None:
+    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"])
+        held = _fill(c, "p", 4)
+        i = _proc_of(cluster, c, 0)
+        address = cluster.unit_addresses[i]
+        cluster.procs[1 + i].kill()
+        _until(lambda: not c.stats().units[0].alive, 5.0)
+        assert cluster.restart_unit(i) == address
+        _until(lambda: c.stats().units[0].alive, 10.0)
+        assert c.stats("p").partitions["p"].lost == 8
+        c.create_partition("new", ["x"], tasks=["t"])
+        fresh = _fill(c, "new", 8, first=1000)
+        assert sorted(len(v) for v in fresh.values()) == [16, 16]  # it takes rows again
+        assert sorted(_drain(c, "new", 32)) == [float(v) for v in range(1000, 1032)]
+        assert sorted(_drain(c, "p", 8)) == sorted(held[1])
+        _until(lambda: c.stats().storage_bytes == 0, 5.0)
+
+
+def test_a_frozen_unit_is_lost_after_missed_heartbeats_and_revives_empty() -> None:
+    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"])
+        held = _fill(c, "p", 4)
+        pid = cluster.procs[1 + _proc_of(cluster, c, 1)].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            took = _until(lambda: not c.stats().units[1].alive, 10.0)
+            assert 1.0 < took < 8.0  # three heartbeat intervals: not at once, not never
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _until(lambda: c.stats().units[1].alive, 10.0)
+        # the controller gave its rows up, so the revived unit dropped them: no orphan bytes
+        _until(lambda: c.stats().units[1].bytes == 0, 5.0)
+        assert c.stats("p").partitions["p"].lost == 8
+        assert sorted(_drain(c, "p", 8)) == sorted(held[0])
+        _until(lambda: c.stats().storage_bytes == 0, 5.0)
+
+
+# --- replicas ---
+@pytest.mark.parametrize("row_floats", [10, 100_000], ids=["frames", "shared-memory"])
+def test_with_two_replicas_a_killed_unit_loses_nothing(row_floats: int) -> None:
+    with ProcessCluster(3) as cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"], replicas=2)
+        values = []
+        for i in range(12):
+            x = torch.arange(4 * i, 4 * i + 4, dtype=torch.float32)[:, None].repeat(1, row_floats)
+            meta = c.put({"x": x}, "p")
+            assert len(meta.replicas) == 4 and all(
+                r >= 0 and r != u for r, u in zip(meta.replicas, meta.units, strict=True)
+            )
+            values += x[:, 0].tolist()
+        in_flight = c.get_meta("p", "x", 8, "t")  # leased before the loss, read after it
+        victim = in_flight.units[0]
+        cluster.procs[1 + _proc_of(cluster, c, victim)].kill()
+        got = c.get_data(in_flight)["x"]  # from the replicas: the consumer does not notice
+        assert got[:, 0].tolist() == [float(v) for v in range(8)]
+        c.ack(in_flight)
+        _until(lambda: not c.stats().units[victim].alive, 5.0)
+        seen = [float(v) for v in range(8)]
+        while len(seen) < 48:
+            batch = c.get("p", "x", 8, "t", timeout=5)
+            x = batch.data["x"]
+            assert torch.equal(x, x[:, :1].repeat(1, row_floats))
+            seen += x[:, 0].tolist()
+            batch.ack()
+        assert sorted(seen) == sorted(values)  # every row exactly once
+        p = c.stats("p").partitions["p"]
+        assert p.lost == 0 and p.replicas == 2
+        _until(lambda: c.stats().storage_bytes == 0, 5.0)  # both copies freed
+
+
+def test_replicas_are_refused_out_of_range() -> None:
+    with tqstream.init() as c, pytest.raises(tqstream.InvalidRequestError, match="replicas"):
+        c.create_partition("p", ["x"], replicas=3)
+
+
+# --- the launcher ---
+def _launch(*flags: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tqstream.launch.processes", "--storage-units", "2", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("tqstream ready at "), line
+    return proc, line.split()[3]
+
+
+def _unit_pids(launcher: int) -> list[int]:
+    out = subprocess.run(
+        ["pgrep", "-P", str(launcher), "-f", "tqstream.launch.worker storage"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_the_launcher_restarts_a_dead_unit_by_default() -> None:
+    proc, address = _launch()
+    try:
+        with tqstream.connect(address, FAST) as c:
+            c.put(_rows(0), "p")
+            os.kill(_unit_pids(proc.pid)[0], signal.SIGKILL)
+            _until(lambda: len(_unit_pids(proc.pid)) == 2 and all(
+                u.alive for u in c.stats().units
+            ), 30.0)  # fmt: skip
+            for i in range(4):
+                c.put(_rows(4 * i), "q")  # both units take rows again
+            assert all(u.rows > 0 for u in c.stats().units if u.rows >= 0)
+            assert proc.poll() is None
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "restarted at" in err
+
+
+def test_the_launcher_stops_when_told_to_on_a_unit_exit() -> None:
+    proc, _ = _launch("--on-unit-exit", "stop")
+    os.kill(_unit_pids(proc.pid)[0], signal.SIGKILL)
+    assert proc.wait(timeout=30) == 1
+    _, err = proc.communicate()
+    assert "shutting down" in err

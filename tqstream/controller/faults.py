@@ -1,0 +1,141 @@
+"""Faults inside the controller state: a lost storage unit, a revived one, a peer that went away —
+a mixin of :class:`~tqstream.controller.state.ControllerState`, split out to keep each file one
+concept.
+
+A *peer* is one client connection (the service learns from the transport when it drops: the
+process died, its host went away, or it missed heartbeats). Whatever the peer held is given back at
+once instead of at its deadlines: its parked gets, acquires and waiting puts are forgotten (nobody
+is there to answer), its uncommitted puts rolled back, its leases released (the rows are available
+again, as after a lease expiry) and its admission slots released as rejected (capacity comes back).
+
+A lost unit takes the rows it alone held with it: they are removed for every task and counted as
+``lost`` per partition and per task (a task that had acked a row does not count it). Rows with a
+replica on a live unit are served from there from now on; puts in flight that stored on the lost
+unit are rolled back and their producers get ``UnitLostError``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from tqstream.controller.admission import Admission
+from tqstream.controller.partition import Partition, Row
+from tqstream.controller.records import Effects, Lease, Parked, PendingPut
+from tqstream.controller.units import UnitTable
+from tqstream.protocol.messages import Acquire, PreparePut
+
+
+def peer_of(handle: Any) -> Any:
+    """The peer a request handle (the service's responder) came from; None for handles without
+    one (requests made in unit tests, or by the state itself)."""
+    return getattr(handle, "peer", None)
+
+
+class Faults:
+    partitions: dict[str, Partition]
+    units: UnitTable
+    pending: dict[int, PendingPut]
+    leases: dict[int, Lease]
+    parked: dict[str, dict[Any, Parked]]
+    waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
+    waiting_acquires: dict[Any, tuple[Acquire, float]]
+    admissions: dict[str, tuple[Admission, str, dict[str, int]]]
+    slot_owners: dict[str, dict[int, Any]]
+    finished_puts: OrderedDict[int, str]
+    outbox: Effects
+    _ids: itertools.count[int]
+
+    if TYPE_CHECKING:
+
+        def _rollback(self, put: PendingPut, effects: Effects) -> None: ...
+        def _evict(
+            self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
+        ) -> list[Row]: ...
+        def _finish(self, record: OrderedDict[int, str], key: int, status: str) -> None: ...
+        def _end_lease(self, lease: Lease, status: str) -> None: ...
+        def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
+        def _serve_parked_puts(self) -> None: ...
+        def _wake_acquires(self, name: str) -> None: ...
+
+    # --- units ---
+    def lose_unit(self, u: int, now: float) -> Effects:
+        """Unit ``u`` is gone: give up what only it held (see the module docstring)."""
+        effects = Effects()
+        if not self.units.alive[u]:
+            return effects
+        for put in [q for q in self.pending.values() if any(c[0] == u for c in q.chunks)]:
+            del self.pending[put.put_id]
+            self._finish(self.finished_puts, put.put_id, "unit-lost")
+            self._rollback(put, effects)
+        for p in list(self.partitions.values()):
+            gone = []
+            for r in p.rows.values():
+                if r.replica == u:
+                    r.replica = -1
+                elif r.unit == u:
+                    if r.replica >= 0:
+                        r.unit, r.replica = r.replica, -1  # served from the copy from now on
+                    else:
+                        gone.append(r.id)
+            if not gone:
+                continue
+            for name in {*p.tasks, *p.registered}:
+                t = p.task(name)
+                t.lost += sum(1 for rid in gone if rid not in t.acked)
+            removed = self._evict(p, gone, effects, order=False)
+            p.lost += len(removed)
+            self.units.lost_rows[u] += len(removed)
+            if p.closed:  # parked gets may now learn that the partition is drained
+                self._serve_parked(p.name, effects, now)
+        self.units.lose(u)
+        self._serve_parked_puts()  # puts waiting for room on it fail; the others replan
+        return effects
+
+    def revive_unit(self, u: int) -> None:
+        """Unit ``u`` is reachable again (or registered again at its address): it takes new rows.
+        The controller gave its rows up when it was lost, so the unit is told to drop every chunk
+        older than now (``Effects.reset_units``); chunks of new puts are younger."""
+        if self.units.alive[u]:
+            return
+        self.units.revive(u)
+        self.outbox.reset_units.append((u, next(self._ids)))
+        self._serve_parked_puts()
+
+    # --- peers ---
+    def own_slots(self, name: str, slot_ids: list[int], handle: Any) -> None:
+        peer = peer_of(handle)
+        if peer is not None and slot_ids:
+            self.slot_owners.setdefault(name, {}).update(dict.fromkeys(slot_ids, peer))
+
+    def drop_peer(self, peer: Any, now: float) -> Effects:
+        """The connection ``peer`` dropped: give back everything it held (module docstring)."""
+        effects = Effects()
+        for waiting in self.parked.values():
+            for handle in [h for h in waiting if peer_of(h) == peer]:
+                del waiting[handle]
+        for table in (self.waiting_acquires, self.waiting_puts):
+            for handle in [h for h in table if peer_of(h) == peer]:
+                del table[handle]  # type: ignore[attr-defined]
+        for put in [q for q in self.pending.values() if q.owner == peer]:
+            del self.pending[put.put_id]
+            self._finish(self.finished_puts, put.put_id, "aborted")
+            self._rollback(put, effects)
+        touched = set()
+        for lease in [x for x in self.leases.values() if x.owner == peer]:
+            p = self.partitions.get(lease.partition)
+            if p is not None:
+                p.release(lease.task, sorted(lease.rows))
+                touched.add(p.name)
+            self._end_lease(lease, "disconnected")
+        for name, owners in self.slot_owners.items():
+            mine = [s for s, o in owners.items() if o == peer]
+            for s in mine:
+                del owners[s]
+            if mine and name in self.admissions:
+                self.admissions[name][0].release(mine, "rejected")
+                self._wake_acquires(name)
+        for name in touched:
+            self._serve_parked(name, effects, now)
+        return effects
