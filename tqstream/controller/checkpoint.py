@@ -214,8 +214,12 @@ class Checkpoints:
                 )
             where = snapshot.placement(s, snap)
             ready = snapshot.prepare(s, snap, where)  # a damaged state: before any loading
-            snapshot.reserve_ids(s, snap.next_id)
-            fence = next(s._ids)  # every chunk loaded has a smaller id, every later put a larger
+            # The saved chunks take ids of this cluster's, never issued before (so no tombstone or
+            # reset of a unit refuses them): saved id + base, all below the fence; every later
+            # put's are above it.
+            base = next(s._ids)
+            snapshot.reserve_ids(s, base + snap.next_id)
+            fence = next(s._ids)
             orders: dict[int, list[str]] = {}
             for f, pair in zip(snap.files, where, strict=True):
                 for unit in pair:
@@ -224,7 +228,7 @@ class Checkpoints:
             jobs = {
                 unit: asyncio.ensure_future(
                     self.service.units[unit].request(
-                        LoadUnit(rid=0, files=files), timeout=msg.timeout
+                        LoadUnit(rid=0, files=files, chunk_base=base), timeout=msg.timeout
                     )
                 )
                 for unit, files in sorted(orders.items())

@@ -345,9 +345,11 @@ class SaveUnit(_Msg, frozen=True, tag="save_unit"):
 
 
 class LoadUnit(_Msg, frozen=True, tag="load_unit"):
-    """To a storage unit: hold the chunks of ``files`` (written by ``SaveUnit``s)."""
+    """To a storage unit: hold the chunks of ``files`` (written by ``SaveUnit``s), each under its
+    saved id plus ``chunk_base`` (ids of this cluster's, never issued before)."""
 
     files: Names
+    chunk_base: Id = 0
 
 
 Request = (

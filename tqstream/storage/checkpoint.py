@@ -136,8 +136,8 @@ class UnitCheckpoints:
         try:
             for partition, chunks in loaded:
                 for chunk, rows, columns in chunks:
-                    self.store.add_chunk(partition, chunk, rows, columns)
-                    added.append(chunk)
+                    self.store.add_chunk(partition, msg.chunk_base + chunk, rows, columns)
+                    added.append(msg.chunk_base + chunk)
         except TQStreamError as exc:
             self.store.drop_chunks(added)  # all or nothing
             raise CheckpointError(
