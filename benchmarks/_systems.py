@@ -29,6 +29,7 @@ import torch
 from benchmarks._workload import FIELDS, Batch
 
 __all__ = [
+    "OPT_IN",
     "SYSTEMS",
     "System",
     "TaskSystem",
@@ -430,12 +431,20 @@ class RayActorQueue(System):
 class TQStream(TaskSystem):
     """tqstream, embedded (controller + 1 storage unit in this process) or as processes."""
 
-    def __init__(self, name: str, deployment: str, shared_memory: str, replicas: int = 1) -> None:
+    def __init__(
+        self,
+        name: str,
+        deployment: str,
+        shared_memory: str,
+        replicas: int = 1,
+        keys: bool = False,
+    ) -> None:
         self.name = name
         self.deployment = deployment
         self.shared_memory = shared_memory
         self.replicas = replicas
-        self.mode = f"{deployment}, shared_memory={shared_memory}"
+        self.keys = keys
+        self.mode = f"{deployment}, shared_memory={shared_memory}" + (", CURVE" if keys else "")
         self.partition = ""
         where = (
             "embedded: controller + 1 storage unit on the benchmark process's loop thread, reached "
@@ -453,6 +462,8 @@ class TQStream(TaskSystem):
                 else ", bytes over TCP"
             )
         )
+        if keys:
+            where += "; every TCP socket authenticated and encrypted with CURVE (--keys)"
         self.note = (
             f"tqstream {where}, ClientConfig(shared_memory={shared_memory!r}); put, get with a "
             f"consumer task (lease + fetch), ack; the partition registers the task, so the ack "
@@ -462,12 +473,16 @@ class TQStream(TaskSystem):
     def start(self) -> None:
         import tqstream
 
-        config = tqstream.ClientConfig(shared_memory=self.shared_memory)
+        keys = ""
+        if self.keys:
+            self._keydir = tempfile.mkdtemp(prefix="tqstream-bench-keys-")
+            keys = os.path.join(self._keydir, "cluster.keys")
+        config = tqstream.ClientConfig(shared_memory=self.shared_memory, keys=keys)
         if self.deployment == "embedded":
             self.client = tqstream.init(storage_units=1, client_config=config)
         else:
             self.cluster = tqstream.ProcessCluster(
-                storage_units=self.replicas, replicas=self.replicas
+                storage_units=self.replicas, replicas=self.replicas, keys=keys
             )
             self.client = tqstream.connect(self.cluster.address, config=config)
 
@@ -476,6 +491,8 @@ class TQStream(TaskSystem):
             self.client.close()
         if hasattr(self, "cluster"):
             self.cluster.close()
+        if hasattr(self, "_keydir"):
+            shutil.rmtree(self._keydir, ignore_errors=True)
 
     def begin(self, tag: str) -> None:
         self.partition = tag
@@ -653,6 +670,8 @@ SYSTEMS = (
     "tqstream-procs-tcp",
     "tqstream-procs-shm",
     "tqstream-replicas",
+    "tqstream-procs-tcp-curve",
+    "tqstream-procs-shm-curve",
     "memcpy",
     "zmq-ipc",
     "zmq-tcp",
@@ -661,6 +680,9 @@ SYSTEMS = (
     "ray-actor-queue",
     "transferqueue",
 )
+OPT_IN = ("tqstream-procs-tcp-curve", "tqstream-procs-shm-curve")
+"""Systems run only when named (``--bench-systems``, ``interleave --systems``): what CURVE keys
+cost, next to the same systems without them."""
 
 
 def make_system(name: str) -> System:
@@ -672,6 +694,10 @@ def make_system(name: str) -> System:
         return TQStream(name, "procs", "off")
     if name == "tqstream-replicas":
         return TQStream(name, "procs", "auto", replicas=2)
+    if name == "tqstream-procs-shm-curve":
+        return TQStream(name, "procs", "auto", keys=True)
+    if name == "tqstream-procs-tcp-curve":
+        return TQStream(name, "procs", "off", keys=True)
     if name == "memcpy":
         return Memcpy()
     if name in ("zmq-ipc", "zmq-tcp"):

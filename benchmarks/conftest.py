@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks._systems import SYSTEMS, System, make_system, missing, settle
+from benchmarks._systems import OPT_IN, SYSTEMS, System, make_system, missing, settle
 from benchmarks._workload import METADATA_ROWS, quick
 from benchmarks.report import machine
 
@@ -37,7 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--bench-systems",
         default="",
-        help=f"comma-separated subset of: {', '.join(SYSTEMS)}",
+        help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all but "
+        f"{', '.join(OPT_IN)})",
     )
 
 
@@ -53,7 +54,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _selected(config: pytest.Config) -> list[str]:
     raw = config.getoption("--bench-systems")
-    names = {n.strip() for n in raw.split(",") if n.strip()} if raw else set(SYSTEMS)
+    default = set(SYSTEMS) - set(OPT_IN)
+    names = {n.strip() for n in raw.split(",") if n.strip()} if raw else default
     unknown = sorted(names - set(SYSTEMS))
     if unknown:
         raise pytest.UsageError(f"--bench-systems: unknown {unknown}; choose from {SYSTEMS}")

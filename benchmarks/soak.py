@@ -57,10 +57,12 @@ def _produce(address: str, index: int, stop: Any, out: Any) -> None:
                     time.sleep(0.05)
             seq += ROWS_PER_PUT
             time.sleep(0.002)
+        client.close_partition("soak")  # the last one closes it: readers get the short rest
     out.put(("producer", index, seq, retries))  # it put ids index * 1e9 + [0, seq)
 
 
-def _consume(address: str, index: int, stop: Any, out: Any) -> None:
+def _consume(address: str, index: int, out: Any) -> None:
+    """Reads until the partition is closed (by every producer) and drained."""
     import torch
 
     import tqstream
@@ -68,20 +70,16 @@ def _consume(address: str, index: int, stop: Any, out: Any) -> None:
     seen: dict[int, bytearray] = {}  # producer -> times each of its rows was consumed
     errors = 0
     with tqstream.connect(address) as client:
-        idle_since = None
         while True:
             try:
-                batch = client.get("soak", list(FIELDS), 16, "train", timeout=1.0)
+                batch = client.get("soak", list(FIELDS), 16, "train", timeout=5.0)
+            except tqstream.PartitionDrainedError:
+                break
             except tqstream.RequestTimeoutError:
-                if stop.is_set():
-                    idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > 5:
-                        break
                 continue
             except tqstream.UnitLostError:
                 errors += 1
                 continue
-            idle_since = None
             x, pid = batch.data["x"], batch.data["pid"]
             assert torch.equal(x, pid[:, None].to(torch.float64).repeat(1, WIDTH)), "corrupt row"
             for row in pid.tolist():
@@ -111,14 +109,16 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = tqstream.ProcessCluster(args.units, replicas=args.replicas, lease_timeout=60)
     ctx = mp.get_context("spawn")
-    stop, out = ctx.Event(), ctx.Queue()
+    halt, out = ctx.Event(), ctx.Queue()
     with tqstream.connect(cluster.address) as client:
-        client.create_partition("soak", list(FIELDS), tasks=["train"], replicas=args.replicas)
+        client.create_partition(
+            "soak", list(FIELDS), tasks=["train"], replicas=args.replicas, producers=args.producers
+        )
         procs = [
-            ctx.Process(target=_produce, args=(cluster.address, i, stop, out), name=f"producer{i}")
+            ctx.Process(target=_produce, args=(cluster.address, i, halt, out), name=f"producer{i}")
             for i in range(args.producers)
         ] + [
-            ctx.Process(target=_consume, args=(cluster.address, i, stop, out), name=f"consumer{i}")
+            ctx.Process(target=_consume, args=(cluster.address, i, out), name=f"consumer{i}")
             for i in range(args.consumers)
         ]
         for proc in procs:
@@ -152,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                 kills.append({"t": round(time.monotonic() - t0, 1), "unit": i})
                 next_kill += args.kill_every
             time.sleep(args.sample_every)
-        stop.set()
+        halt.set()
         results: dict[str, list[Any]] = {"producer": [], "consumer": []}
-        for _ in procs:
+        for _ in range(args.producers):  # a put may still be retried: wait for every one
+            role, index, ids, count = out.get(timeout=300)
+            results[role].append((index, ids, count))
+        for _ in range(args.consumers):  # they end once the producers closed the partition
             role, index, ids, count = out.get(timeout=300)
             results[role].append((index, ids, count))
         for proc in procs:
@@ -197,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows_missing": missing,
         "duplicates": duplicates,
         "lost_counted": stats.lost,
+        "rows_left": stats.rows,
+        "pending_puts_left": stats.pending_puts,
+        "task_left": {t: [v.available, v.leased] for t, v in stats.tasks.items()},
         "put_retries": sum(c for _, _, c in results["producer"]),
         "get_errors": sum(c for _, _, c in results["consumer"]),
         "storage_bytes_at_end": final_bytes,

@@ -36,6 +36,7 @@ _LAZY = {
     "TaskStats": "tqstream.types",
     "UnitStats": "tqstream.types",
     "connect": "tqstream.client.client",
+    "generate_keys": "tqstream.protocol.auth",
     "init": "tqstream.launch.embedded",
 }
 

@@ -34,6 +34,9 @@ class ControllerConfig:
     replicas: int = 1
     """Copies kept of each row, on distinct storage units (1 or 2); a partition can set its own
     (``create_partition(..., replicas=2)``). With 2, losing one unit loses no row."""
+    keys: str = ""
+    """Path of the cluster's CURVE key file (``tqstream-launch --keys``): TCP peers must hold its
+    client keypair; empty: no authentication, any peer that reaches the port is served."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,9 @@ class StorageConfig:
     """Largest message accepted; larger ones get a MessageTooLargeError reply."""
     max_bytes: int = 0
     """Byte quota of the unit (0: unlimited); puts wait for room, then raise CapacityError."""
+    keys: str = ""
+    """Path of the cluster's CURVE key file (``tqstream-launch --keys``): TCP peers must hold its
+    client keypair; empty: no authentication, any peer that reaches the port is served."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +75,9 @@ class ClientConfig:
     """Puts of fewer bytes that go as frames (see ``shared_memory_min_bytes``) go to one storage
     unit in one exchange (units in turn; the unit has the controller commit them); other puts are
     placed by the controller first (spread over units by load). 0: every put is placed first."""
+    keys: str = ""
+    """Path of the cluster's CURVE key file (the one ``tqstream-launch --keys`` names), needed to
+    reach a cluster started with keys; empty: connect without (docs/security.md)."""
 
 
 _C = TypeVar("_C")

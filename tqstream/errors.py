@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AdmissionError",
+    "AuthenticationError",
     "BatchShapeError",
     "CapacityError",
     "CheckpointCorruptError",
@@ -30,6 +31,7 @@ __all__ = [
     "GroupError",
     "InternalError",
     "InvalidRequestError",
+    "KeyFileError",
     "LeaseError",
     "LeaseExpiredError",
     "MalformedMessageError",
@@ -231,6 +233,19 @@ class ConnectError(TQStreamError, ConnectionError):
     """No tqstream server answered at the address within the connect timeout."""
 
     code = "connect"
+
+
+class AuthenticationError(ConnectError):
+    """The CURVE handshake with a server failed: this side has no keys and the server requires
+    them, the keys are not the server's cluster's, or this side has keys and the server none."""
+
+    code = "authentication"
+
+
+class KeyFileError(TQStreamError, ValueError):
+    """A CURVE key file is missing, unreadable or not a tqstream key file."""
+
+    code = "key_file"
 
 
 class ConnectionLostError(TQStreamError, ConnectionError):

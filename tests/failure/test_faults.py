@@ -207,7 +207,10 @@ def test_a_killed_unit_is_detected_its_rows_counted_lost_and_the_rest_served() -
 
 
 def test_a_restarted_unit_registers_again_and_takes_new_rows() -> None:
-    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, FAST) as c:
+    # puts placed by the controller (a small put goes straight to a unit this client can reach,
+    # and its connection to the restarted unit may take a moment longer to come back)
+    placed = tqstream.ClientConfig(connect_timeout=3.0, direct_put_bytes=0)
+    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, placed) as c:
         c.create_partition("p", ["x"], tasks=["t"])
         held = _fill(c, "p", 4)
         i = _proc_of(cluster, c, 0)
@@ -219,7 +222,7 @@ def test_a_restarted_unit_registers_again_and_takes_new_rows() -> None:
         assert c.stats("p").partitions["p"].lost == 8
         c.create_partition("new", ["x"], tasks=["t"])
         fresh = _fill(c, "new", 8, first=1000)
-        assert sorted(len(v) for v in fresh.values()) == [16, 16]  # it takes rows again
+        assert len(fresh) == 2  # it takes rows again (more of them: it was the emptier one)
         assert sorted(_drain(c, "new", 32)) == [float(v) for v in range(1000, 1032)]
         assert sorted(_drain(c, "p", 8)) == sorted(held[1])
         _until(lambda: c.stats().storage_bytes == 0, 5.0)
@@ -307,8 +310,9 @@ def _unit_pids(launcher: int) -> list[int]:
 
 def test_the_launcher_restarts_a_dead_unit_by_default() -> None:
     proc, address = _launch()
+    placed = tqstream.ClientConfig(connect_timeout=3.0, direct_put_bytes=0)
     try:
-        with tqstream.connect(address, FAST) as c:
+        with tqstream.connect(address, placed) as c:
             c.put(_rows(0), "p")
             os.kill(_unit_pids(proc.pid)[0], signal.SIGKILL)
             _until(lambda: len(_unit_pids(proc.pid)) == 2 and all(

@@ -66,6 +66,8 @@ def test_help_documents_every_flag() -> None:
         "--lease-timeout",
         "--put-timeout",
         "--max-message-bytes",
+        "--keys",
+        "--insecure",
     ):
         assert flag in out
     assert "Seconds a leased batch stays leased" in out

@@ -314,3 +314,15 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_reset_drops_older_chunks_and_refuses_them_later(store):
+    # the unit was declared lost and revived: chunks of puts placed before (ids < 5) are dropped,
+    # and a store of one that arrives after the reset is refused (its put was rolled back)
+    store.add_chunk("q", 6, [0, 1], make_columns("d", [0, 1], 6))
+    store.reset(5)
+    assert store.chunks == 1 and store.holds(6)
+    with pytest.raises(InvalidRequestError, match="declared lost and revived"):
+        store.add_chunk("p", 4, [30], make_columns("d", [30], 4))
+    store.add_chunk("p", 7, [30], make_columns("d", [30], 7))
+    assert store.chunks == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -449,6 +450,41 @@ def test_request_during_an_outage_waits_at_most_connect_timeout() -> None:
         serving_task = asyncio.ensure_future(second.serve())
         reply, _ = await conn.request(GetStats(rid=0), timeout=5)
         assert isinstance(reply, Ok) and not conn._down
+        conn.close()
+        await second.close()
+        await serving_task
+        ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def test_a_server_back_refusing_our_key_fails_the_waiting_request(tmp_path: Any) -> None:
+    """A request queued during an outage ends with ``AuthenticationError`` once the server back
+    at the address refuses our client key, at once rather than a connect_timeout later."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        ours = tqstream.generate_keys(tmp_path / "ours")
+        public, secret = zmq.curve_keypair()  # the same server keys, another client admitted
+        theirs = dataclasses.replace(ours, client_public=public, client_secret=secret)
+        first = Server(ctx, "127.0.0.1", 0, Handler(), name="a", max_message_bytes=LIMIT, keys=ours)
+        serving_task = asyncio.ensure_future(first.serve())
+        conn = await connect(ctx, first.address, connect_timeout=3.0, keys=ours)
+        reply, _ = await conn.request(GetStats(rid=0), timeout=5)
+        assert isinstance(reply, Ok)
+        await first.close()
+        await serving_task
+        while not conn._down:
+            await asyncio.sleep(0.01)
+        port = int(first.address.rsplit(":", 1)[1])
+        second = Server(
+            ctx, "127.0.0.1", port, Handler(), name="b", max_message_bytes=LIMIT, keys=theirs
+        )
+        serving_task = asyncio.ensure_future(second.serve())
+        start = time.monotonic()
+        with pytest.raises(tqstream.AuthenticationError, match="refused this client's client key"):
+            await conn.request(GetStats(rid=0), timeout=None)
+        assert time.monotonic() - start < 1.0
         conn.close()
         await second.close()
         await serving_task

@@ -43,6 +43,7 @@ from tqstream.errors import (
     UnknownRowError,
 )
 from tqstream.protocol import shm
+from tqstream.protocol.auth import Keys, load_keys
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
@@ -155,12 +156,14 @@ class ClientCore:
         controller: Connection,
         config: ClientConfig,
         owns_ctx: bool,
+        keys: Keys | None = None,
         session: bytes = b"",
     ) -> None:
         self.session = session
         self.ctx = ctx
         self._owns_ctx = owns_ctx
         self.config = config
+        self.keys = keys
         self.controller = controller
         self.unit_addresses: list[str] = self._addresses(controller.welcome)
         self._units: dict[int, asyncio.Task[Connection]] = {}
@@ -187,14 +190,15 @@ class ClientCore:
         servers' context (needed for ``inproc://`` addresses) and stays open at close.
         ``session``: the client this core belongs to (shared by its lanes' cores; see
         ``Hello.session``)."""
+        keys = load_keys(config.keys) if config.keys else None
         own = context() if ctx is None else None
         try:
-            conn = await cls._connect(own or ctx, address, config, session)  # type: ignore[arg-type]
+            conn = await cls._connect(own or ctx, address, config, keys, session)  # type: ignore[arg-type]
         except BaseException:
             if own is not None:
                 own.destroy(linger=0)
             raise
-        return cls(own or ctx, conn, config, own is not None, session)  # type: ignore[arg-type]
+        return cls(own or ctx, conn, config, own is not None, keys, session)  # type: ignore[arg-type]
 
     def _addresses(self, welcome: Welcome) -> list[str]:
         """The units' addresses; their inproc ones when we reached the controller in-process."""
@@ -207,7 +211,11 @@ class ClientCore:
 
     @staticmethod
     async def _connect(
-        ctx: zmq.Context[Any], address: str, config: ClientConfig, session: bytes = b""
+        ctx: zmq.Context[Any],
+        address: str,
+        config: ClientConfig,
+        keys: Keys | None,
+        session: bytes = b"",
     ) -> Connection:
         return await Connection.open(
             ctx,
@@ -216,6 +224,7 @@ class ClientCore:
             connect_timeout=config.connect_timeout,
             heartbeat_interval=config.heartbeat_interval,
             max_message_bytes=config.max_message_bytes,
+            keys=keys,
         )
 
     def _opened(self) -> dict[int, Connection]:
@@ -282,7 +291,7 @@ class ClientCore:
                 f"the controller placed rows on storage unit {index}, but knows "
                 f"only {len(self.unit_addresses)} units"
             )
-        conn = await self._connect(self.ctx, self.unit_addresses[index], self.config)
+        conn = await self._connect(self.ctx, self.unit_addresses[index], self.config, self.keys)
         conn.wake = self._wake
         token = conn.welcome.shm
         if self.config.shared_memory == "auto" and shm.reachable(token):

@@ -25,6 +25,7 @@ from tqstream.config import ClientConfig, ControllerConfig
 from tqstream.controller.checkpoint import Checkpoints
 from tqstream.controller.state import ControllerState, Effects
 from tqstream.errors import InvalidRequestError, TQStreamError
+from tqstream.protocol.auth import load_keys
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     AbortPut,
@@ -116,6 +117,7 @@ class ControllerService:
     ) -> None:
         self.config = config
         self.ctx = ctx or shared_context()
+        self.keys = load_keys(config.keys) if config.keys else None
         self.state = ControllerState(
             lease_timeout=config.lease_timeout,
             put_timeout=config.put_timeout,
@@ -132,6 +134,7 @@ class ControllerService:
             inproc_units=lambda: list(self.inproc_units),
             inproc=inproc,
             on_disconnect=self._peer_gone,
+            keys=self.keys,
         )
         self.units: list[Connection] = []
         self.inproc_units: list[str] = []
@@ -366,6 +369,7 @@ class ControllerService:
             connect_timeout=ClientConfig.connect_timeout,
             heartbeat_interval=ClientConfig.heartbeat_interval,
             max_message_bytes=self.config.max_message_bytes,
+            keys=self.keys,
         )
         if address in self.state.units.addresses:  # registered twice at once: keep the first
             conn.close()

@@ -8,6 +8,7 @@ the client's ``close()``) stops them and frees their ports.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -17,6 +18,7 @@ import zmq
 from tqstream.client.loop import LoopThread
 from tqstream.config import ClientConfig, ControllerConfig, StorageConfig, from_env
 from tqstream.controller.service import ControllerService
+from tqstream.protocol.auth import ensure_keys
 from tqstream.protocol.transport import context
 from tqstream.storage.service import StorageService
 
@@ -118,14 +120,18 @@ def init(
     max_message_bytes: int | None = None,
     storage_max_bytes: int | None = None,
     replicas: int | None = None,
+    keys: str | None = None,
     client_config: ClientConfig | None = None,
 ) -> Any:
     """Start an embedded controller and ``storage_units`` storage units; return a client.
 
     ``storage_max_bytes``: byte quota per storage unit (puts wait for room, then raise
     CapacityError). ``replicas``: copies of each row (2 needs ``storage_units >= 2``; see
-    ``ControllerConfig.replicas``). Closing the client stops them. Settings left as None come from
-    ``TQSTREAM_*`` environment variables or the defaults in :mod:`tqstream.config`.
+    ``ControllerConfig.replicas``). ``keys``: path of a CURVE key file, made if missing; the
+    servers' TCP address (``client.address``, for other processes) then serves only peers holding
+    it, while this client reaches them in-process, where no handshake applies. Closing the client
+    stops them. Settings left as None come from ``TQSTREAM_*`` environment variables or the
+    defaults in :mod:`tqstream.config`.
     """
     from tqstream.client.client import Client
 
@@ -137,21 +143,28 @@ def init(
         replicas=replicas,
         host="127.0.0.1",
         port=0,
+        keys=keys,
     )
+    if cc.keys:
+        ensure_keys(cc.keys)  # made here, once: the servers only load it
     sc = from_env(
         StorageConfig,
         max_message_bytes=max_message_bytes,
         max_bytes=storage_max_bytes,
         host="127.0.0.1",
         port=0,
+        keys=cc.keys,
     )
+    config = client_config or from_env(ClientConfig)
+    if cc.keys and not config.keys:  # what this client's config hands on to other processes
+        config = dataclasses.replace(config, keys=cc.keys)
     cluster = EmbeddedCluster(cc, sc, storage_units)
     try:
         # the client shares the servers' loop thread: a request and its answer then run on one
         # thread, with no hand-over of the GIL between the client's and the servers' threads
         return Client(
             cluster.address,
-            client_config,
+            config,
             inproc_address=cluster.controller.server.inproc_address,
             on_close=cluster.close,
             io=cluster.io,

@@ -8,6 +8,10 @@ registers and takes new rows) or stops the cluster (``stop``). On SIGINT/SIGTERM
 controller dies, it stops every child (SIGTERM, then SIGKILL after a grace period) and exits; the
 children also exit on their own if the launcher dies (they watch a pipe from it), so no orphan
 keeps a port.
+
+With ``--keys PATH`` (made if missing) every server serves only peers that hold that CURVE key
+file. A ``--host`` other than loopback needs keys, or ``--insecure`` to serve anyone who reaches
+the port (docs/security.md).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import ipaddress
 import itertools
+import os
 import signal
 import subprocess
 import sys
@@ -24,15 +30,30 @@ import threading
 import time
 from typing import Any
 
-from tqstream.config import ControllerConfig, StorageConfig
+from tqstream.config import ControllerConfig, StorageConfig, from_env
+from tqstream.protocol.auth import ensure_keys
 
 __all__ = ["ProcessCluster", "main"]
 
 READY_TIMEOUT = 60.0
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the servers reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or * (every interface)
+        return False
+
+
 class ProcessCluster:
-    """A controller and ``storage_units`` storage units in child processes."""
+    """A controller and ``storage_units`` storage units in child processes.
+
+    ``keys``: path of the cluster's CURVE key file, made if missing (None: ``TQSTREAM_KEYS``, if
+    set); clients pass the same path. A ``host`` other than loopback refuses to start without keys
+    unless ``insecure``."""
 
     def __init__(
         self,
@@ -45,14 +66,28 @@ class ProcessCluster:
         max_message_bytes: int | None = None,
         storage_max_bytes: int | None = None,
         replicas: int | None = None,
+        keys: str | None = None,
+        insecure: bool = False,
     ) -> None:
         if storage_units < 1:
             raise ValueError(f"--storage-units must be at least 1, got {storage_units}")
         if replicas is not None and replicas not in (1, 2):
             raise ValueError(f"--replicas must be 1 or 2, got {replicas}")
+        keys = from_env(ControllerConfig).keys if keys is None else keys
+        self.keys = os.path.abspath(keys) if keys else ""
+        """The key file clients need ("": none)."""
+        if not self.keys and not insecure and not is_loopback(host):
+            raise ValueError(
+                f"--host {host} is reachable from other machines and the cluster has no keys: "
+                f"anyone reaching the port could read, write and clear every partition; pass "
+                f"--keys PATH (made if missing; clients then set TQSTREAM_KEYS=PATH), or "
+                f"--insecure on a network you trust"
+            )
+        if self.keys:
+            ensure_keys(self.keys)  # before any child: they all load the same file
         self.procs: list[subprocess.Popen[str]] = []
         self.restarts = 0
-        extra = []
+        extra = ["--keys", self.keys]
         for flag, value in (
             ("--lease-timeout", lease_timeout),
             ("--put-timeout", put_timeout),
@@ -193,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     docs = _field_docs(ControllerConfig)
     for f in dataclasses.fields(ControllerConfig):
-        if f.name == "storage_timeout":
+        if f.name in ("storage_timeout", "keys"):
             continue
         p.add_argument(
             f"--{f.name.replace('_', '-')}",
@@ -207,6 +242,20 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=StorageConfig.max_bytes,
         help=f"{sdocs['max_bytes']} Per storage unit. (default: {StorageConfig.max_bytes})",
+    )
+    p.add_argument(
+        "--keys",
+        default=None,
+        metavar="PATH",
+        help="The cluster's CURVE key file, made (mode 0600) if missing: every server then "
+        "serves only peers holding it, encrypted; clients pass ClientConfig(keys=PATH) or set "
+        "TQSTREAM_KEYS=PATH. (default: $TQSTREAM_KEYS, else no keys)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="Serve a --host other than loopback without keys: anyone who reaches the port can "
+        "read, write and clear every partition.",
     )
     return p
 
@@ -249,13 +298,16 @@ def main(argv: list[str] | None = None) -> int:
             max_message_bytes=args.max_message_bytes,
             storage_max_bytes=args.storage_max_bytes or None,
             replicas=args.replicas,
+            keys=args.keys,
+            insecure=args.insecure,
         )
-    except (RuntimeError, ValueError, OSError) as exc:
+    except (RuntimeError, ValueError, OSError) as exc:  # KeyFileError is a ValueError
         print(f"tqstream-launch: {exc}", file=sys.stderr)
         return 1
+    keys = f"clients set TQSTREAM_KEYS={cluster.keys}; " if cluster.keys else ""
     print(
         f"tqstream ready at {cluster.address} (controller + {args.storage_units} storage "
-        f"units; stop with Ctrl-C)",
+        f"units; {keys}stop with Ctrl-C)",
         flush=True,
     )
     code = 0

@@ -45,6 +45,7 @@ async def _run(args: argparse.Namespace) -> None:
                 put_timeout=args.put_timeout,
                 max_message_bytes=args.max_message_bytes,
                 replicas=args.replicas,
+                keys=args.keys,
             )
         )
         serving = loop.create_task(service.serve(), name="tqstream-controller")
@@ -58,6 +59,7 @@ async def _run(args: argparse.Namespace) -> None:
                 port=args.port,
                 max_message_bytes=args.max_message_bytes,
                 max_bytes=args.max_bytes,
+                keys=args.keys,
             ),
             args.controller,
         )
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-message-bytes", type=int, default=None)
     p.add_argument("--max-bytes", type=int, default=None)
     p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--keys", default=None)
     p.add_argument("--watch-stdin", action="store_true")
     args = p.parse_args(argv)
     asyncio.run(_run(args))

@@ -24,6 +24,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from tqstream.errors import (
+    AuthenticationError,
     ClosedError,
     ConnectError,
     ConnectionLostError,
@@ -33,6 +34,8 @@ from tqstream.errors import (
     RequestTimeoutError,
     TQStreamError,
 )
+from tqstream.protocol import auth
+from tqstream.protocol.auth import Keys
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -76,6 +79,7 @@ class Connection:
         connect_timeout: float,
         heartbeat_interval: float,
         max_message_bytes: int,
+        keys: Keys | None = None,
     ) -> None:
         self.address, self.role = address, role
         self.max_message_bytes = max_message_bytes
@@ -88,6 +92,8 @@ class Connection:
         self._ever_up = False
         self._closed = False
         self._broken: BaseException | None = None
+        self._refused: str | None = None  # why the last handshake failed
+        self._keys = keys
         self._unsent: list[list[Any]] = []  # requests ZMQ would not take yet (never with HWM 0)
         self._poller: zmq.Poller | None = None  # for requests that wait without a running loop
         self.on_down: Callable[[], None] | None = None
@@ -103,7 +109,10 @@ class Connection:
         sock = _socket(ctx, zmq.DEALER)
         ivl = max(1, round(heartbeat_interval * 1000))
         events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_MONITOR_STOPPED
+        events |= _HANDSHAKE_FAILED
         try:
+            if keys is not None and not self._inproc:  # inproc has no handshake (auth.py)
+                auth.connect_securely(sock, keys)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # requests queue while (re)connecting, never block
             sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
@@ -144,15 +153,20 @@ class Connection:
         connect_timeout: float,
         heartbeat_interval: float,
         max_message_bytes: int,
+        keys: Keys | None = None,
     ) -> Connection:
         """Connect and handshake (``Hello`` → ``Welcome``) within ``connect_timeout``; never hangs,
-        and closes the socket on any failure."""
-        conn = cls(ctx, address, role, connect_timeout, heartbeat_interval, max_message_bytes)
+        and closes the socket on any failure. ``keys``: be a CURVE client of the cluster (a TCP
+        address only). A failed ZMQ handshake (keys missing or not the server's) raises
+        ``AuthenticationError`` at once."""
+        conn = cls(ctx, address, role, connect_timeout, heartbeat_interval, max_message_bytes, keys)
         try:
             hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role, session=session)
             try:
                 reply, _ = await conn.request(hello, timeout=connect_timeout)
             except (RequestTimeoutError, ConnectionLostError):
+                if conn._refused is not None:  # the handshake failed, maybe for want of keys
+                    raise AuthenticationError(conn._refused, address=address) from None
                 raise ConnectError(
                     f"no tqstream server answered at {address} within {connect_timeout}s; check "
                     f"the address and that the server (tqstream-launch or tqstream.init) is "
@@ -360,11 +374,19 @@ class Connection:
 
     def _watch(self) -> None:
         while _events(self._monitor) & POLLIN:
-            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            parsed = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            event = parsed["event"]
             if event == zmq.EVENT_MONITOR_STOPPED:
                 return
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event & _HANDSHAKE_FAILED:  # ZMQ retries by itself; the requests would wait
+                self._refused = self._refusal(int(event), int(parsed["value"]))
+                if _certain(int(event), int(parsed["value"])):
+                    self._fail_all(AuthenticationError, _literal(self._refused))
+                # else the disconnect that follows fails them as lost: a peer that died in the
+                # handshake looks the same as one that refused (open() and _unreachable tell)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 was_down, self._down, self._ever_up = self._down, False, True
+                self._refused = None
                 for grace in self._grace.values():
                     grace.cancel()
                 self._grace.clear()
@@ -376,9 +398,43 @@ class Connection:
                 if self._ever_up and self.on_down is not None:
                     self.on_down()
 
+    def _refusal(self, event: int, value: int) -> str:
+        """Why a ZMQ handshake failed, saying whose keys disagree with whose. Which side notices
+        first is a race (a refused peer may see only its connection reset), so only the events
+        that cannot be anything else are named precisely."""
+        where = f"the ZMQ handshake with the server at {self.address} failed"
+        theirs = "its cluster's key file"
+        if self._keys is None:
+            text = (
+                f"{where}: the server requires CURVE keys and this {self.role} has none (or no "
+                f"tqstream server listens there); pass ClientConfig(keys=PATH) or set "
+                f"TQSTREAM_KEYS=PATH, PATH being {theirs} (the one tqstream-launch --keys or "
+                f"tqstream.init(keys=...) made)"
+            )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _MECHANISM_MISMATCH:
+            text = (
+                f"{where}: this {self.role} uses the CURVE keys in {self._keys.path} but the "
+                f"server has no keys (it was started without --keys, or with --insecure); connect "
+                f"without keys, or restart the cluster with them"
+            )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            text = (
+                f"{where}: the server refused this {self.role}'s client key from "
+                f"{self._keys.path} (status {value}); use {theirs}"
+            )
+        else:  # most often the server could not decrypt our hello: not its public key
+            text = (
+                f"{where}: the server's public key is not the one in {self._keys.path} (the file "
+                f"of another cluster, or of an earlier launch?), or the server has no keys, or no "
+                f"tqstream server listens there; use {theirs}"
+            )
+        return text
+
     def _unreachable(self, rid: int) -> None:
         self._grace.pop(rid, None)
-        if self._down:
+        if self._down and self._refused is not None:
+            self._fail_all(AuthenticationError, _literal(self._refused), only=rid)
+        elif self._down:
             self._fail_all(ConnectionLostError, _DOWN, only=rid)
 
     def _fail_all(self, cls: type[TQStreamError], text: str, only: int | None = None) -> None:
@@ -388,6 +444,27 @@ class Connection:
                 what, timeout = f"{op} (request {rid})", self._connect_timeout
                 message = text.format(address=self.address, what=what, timeout=timeout)
                 fut.set_exception(cls(message, address=self.address, op=op, rid=rid))
+
+
+_HANDSHAKE_FAILED = int(
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_MECHANISM_MISMATCH = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+
+
+def _literal(text: str) -> str:
+    """``text`` as a ``_fail_all`` format string that formats to itself."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _certain(event: int, value: int) -> bool:
+    """Whether a handshake failure can only be about keys: the server refused the client's key,
+    or one side has keys and the other none."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return True
+    return event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _MECHANISM_MISMATCH
 
 
 class _Expired(Exception):

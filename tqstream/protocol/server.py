@@ -27,6 +27,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from tqstream.errors import InternalError, MalformedMessageError, MessageTooLargeError
+from tqstream.protocol import auth
+from tqstream.protocol.auth import Keys
 from tqstream.protocol.messages import PROTOCOL_VERSION, Hello, Welcome, decode_request, encode
 from tqstream.protocol.transport import (
     _ENDPOINTS,
@@ -93,10 +95,13 @@ class Server:
         shm: str = "",
         inproc: bool = False,
         on_disconnect: Callable[[bytes], None] | None = None,
+        keys: Keys | None = None,
     ) -> None:
         """``inproc``: also bind an ``inproc://`` endpoint (``inproc_address``) for clients in this
         process that share ``ctx``; they skip TCP and libzmq's I/O thread. ``on_disconnect(peer)``
-        is called, on the serving loop, when a TCP peer that sent a request disconnects."""
+        is called, on the serving loop, when a TCP peer that sent a request disconnects. ``keys``:
+        the TCP endpoint serves only the cluster's CURVE clients (:mod:`tqstream.protocol.auth`);
+        the inproc one, reachable from this process only, has no handshake."""
         self.name = name
         self.max_message_bytes = max_message_bytes
         self._handler = handler
@@ -108,8 +113,13 @@ class Server:
         self._failure: BaseException | None = None
         self._done: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ctx, self._keys = ctx, keys
+        if keys is not None:
+            auth.admit(ctx, keys)  # before the bind: no handshake may come first
         sock = _socket(ctx, zmq.ROUTER)
         try:
+            if keys is not None:
+                auth.serve_securely(sock, keys)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped
             sock.setsockopt(zmq.SNDHWM, 0)  # at a full pipe ROUTER drops replies: never let it
@@ -122,6 +132,8 @@ class Server:
                 sock.bind(self.inproc_address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            if keys is not None:
+                auth.release(ctx, keys)
             raise OSError(
                 exc.errno, f"the {name} server cannot bind tcp://{host}:{port}: {exc.strerror}"
             ) from exc
@@ -186,6 +198,8 @@ class Server:
                 self._sock.disable_monitor()
             self._monitor.close(linger=0)
         self._sock.close(linger=0)
+        if self._keys is not None:
+            auth.release(self._ctx, self._keys)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- peers ---

@@ -79,6 +79,7 @@ class ColumnStore:
         # Chunks dropped before they arrived: an aborted put's Store can still be in flight when
         # the controller's drop order lands, and must not be stored when it arrives.
         self._tombstones: OrderedDict[int, None] = OrderedDict()
+        self._reset_before = 0  # chunks older than this were given up by the controller
 
     @property
     def bytes(self) -> int:
@@ -100,6 +101,13 @@ class ColumnStore:
     def check_arrival(self, partition: str, chunk_id: int) -> None:
         """Refuse a chunk whose put was rolled back before it arrived, or one already stored."""
         where = f"chunk {chunk_id} of partition {partition!r}"
+        if chunk_id < self._reset_before:
+            raise InvalidRequestError(
+                f"{where} belongs to a put placed before this storage unit was declared lost and "
+                "revived (the controller rolled that put back); nothing was stored, put the data "
+                "again",
+                chunk=chunk_id,
+            )
         if chunk_id in self._tombstones:
             raise InvalidRequestError(
                 f"{where} arrived after its put was rolled back (aborted, not committed within "
@@ -272,9 +280,12 @@ class ColumnStore:
                     del part.rows[row]
             self._release(part, chunk)
 
-    def partitions(self) -> list[str]:
-        """The partitions holding chunks here."""
-        return list(self._partitions)
+    def reset(self, before_chunk: int) -> None:
+        """Drop every chunk older than ``before_chunk`` in every partition, and refuse such
+        chunks from now on (a store of a rolled-back put can arrive after the reset)."""
+        self._reset_before = max(self._reset_before, before_chunk)
+        for partition in list(self._partitions):
+            self.drop_partition(partition, before_chunk)
 
     def drop_partition(self, partition: str, before_chunk: int = 0) -> None:
         """Drop the partition's chunks; with ``before_chunk``, only those with smaller ids.

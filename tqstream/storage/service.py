@@ -44,6 +44,7 @@ from tqstream.errors import (
     UnknownRowError,
 )
 from tqstream.protocol import shm
+from tqstream.protocol.auth import load_keys
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
@@ -113,6 +114,7 @@ class StorageService:
         self.config = config
         self.controller = controller
         self.ctx = ctx or shared_context()
+        self.keys = load_keys(config.keys) if config.keys else None
         self.segments = shm.UnitSegments() if shm.available() else None
         self._dropped: list[int] = []
         self.store = ColumnStore(on_release=self._released)
@@ -125,6 +127,7 @@ class StorageService:
             max_message_bytes=config.max_message_bytes,
             shm=self.segments.token if self.segments else "",
             inproc=inproc,
+            keys=self.keys,
         )
         self.unit: int | None = None
         self._link: Connection | None = None  # to the controller, for stored puts
@@ -150,6 +153,7 @@ class StorageService:
             connect_timeout=ClientConfig.connect_timeout,
             heartbeat_interval=ClientConfig.heartbeat_interval,
             max_message_bytes=self.config.max_message_bytes,
+            keys=self.keys,
         )
         try:
             msg = RegisterUnit(
@@ -390,8 +394,7 @@ class StorageService:
             case ResetUnit():
                 # stored puts still landing get their chunk ids from the controller, which
                 # commits them only now that the unit is revived: they are younger, and stay
-                for partition in s.partitions():
-                    s.drop_partition(partition, msg.before_chunk)
+                s.reset(msg.before_chunk)
                 return Ok(rid=msg.rid)
             case GetUnitStats():
                 stats = UnitStats(
