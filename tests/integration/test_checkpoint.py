@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -425,3 +426,31 @@ def test_rows_kept_twice_are_restored_twice(clusters: list[Cluster], tmp_path: P
     assert sorted(x[:, 0].tolist()) == sorted(float(i) for i in range(4) for _ in range(3))
     c.ack(meta)
     assert c.stats("r").partitions["r"].lost == 0
+
+
+def test_a_load_onto_a_unit_that_was_lost_and_came_back(
+    clusters: list[Cluster], tmp_path: Path
+) -> None:
+    """A revived unit refuses chunks older than its revival; the loaded ones take new ids."""
+    _saved(clusters, tmp_path / "ck")
+    c = start(clusters, "processes", 2)
+    procs = clusters[-1].procs
+    assert procs is not None
+    c.put(batch([0, 1]), "scratch")
+    assert c.clear_partition("scratch")
+    i = procs.unit_addresses.index(c.stats().units[0].address)
+    procs.procs[1 + i].kill()
+    _until(lambda: not c.stats().units[0].alive)
+    procs.restart_unit(i)
+    _until(lambda: c.stats().units[0].alive)
+    assert c.load_checkpoint(tmp_path / "ck").rows == 6
+    got = c.get("p", FIELDS, 6, "t", timeout=10)
+    assert sorted(got.meta.keys) == sorted(c.list_keys("p")) and len(set(got.meta.units)) == 2
+    check_rows(got, {k: i for i, k in enumerate(c.list_keys("p"))}, set())
+
+
+def _until(what: Any, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
