@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Batch": "tqstream.client.client",
     "BatchMeta": "tqstream.types",
+    "CheckpointSummary": "tqstream.types",
     "Client": "tqstream.client.client",
     "ClientConfig": "tqstream.config",
     "ControllerConfig": "tqstream.config",

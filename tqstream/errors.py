@@ -19,6 +19,10 @@ __all__ = [
     "AuthenticationError",
     "BatchShapeError",
     "CapacityError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointVersionError",
     "ClosedError",
     "ConnectError",
     "ConnectionLostError",
@@ -310,3 +314,31 @@ class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
     """A peer of a weight sync did not take part within the timeout."""
 
     code = "weight_sync_timeout"
+
+
+# --- checkpoints ---
+class CheckpointError(TQStreamError, RuntimeError):
+    """A checkpoint could not be saved or loaded: a storage unit failed, the cluster to load into
+    holds data, another checkpoint is under way. Nothing is half done: a failed save leaves no
+    checkpoint (an older one at the path stays), a failed load leaves no rows."""
+
+    code = "checkpoint"
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the path (or a file of it is missing)."""
+
+    code = "checkpoint_not_found"
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """The path holds something that is not a readable tqstream checkpoint: truncated or altered
+    files, or not a checkpoint at all."""
+
+    code = "checkpoint_corrupt"
+
+
+class CheckpointVersionError(CheckpointCorruptError):
+    """The checkpoint was written in a format version this tqstream does not read."""
+
+    code = "checkpoint_version"

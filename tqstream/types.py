@@ -7,12 +7,13 @@ They are frozen ``msgspec.Struct`` s so the same objects travel on the wire unch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 __all__ = [
     "BatchMeta",
+    "CheckpointSummary",
     "FieldSchema",
     "PartitionStats",
     "Stats",
@@ -179,6 +180,23 @@ class Stats(msgspec.Struct, frozen=True):
         for name, state in self.admissions.items():
             lines.append(f"admission {name!r}: " + ", ".join(f"{k}={v}" for k, v in state.items()))
         return "\n".join(lines) or "no partitions, no storage units"
+
+
+class CheckpointSummary(msgspec.Struct, frozen=True):
+    """What ``save_checkpoint`` wrote or ``load_checkpoint`` restored."""
+
+    path: str
+    partitions: int
+    rows: int  # committed rows (rows leased at the save are in it, available)
+    nbytes: int  # bytes of row data in the storage units' files
+    units: int  # storage units that wrote (save) or hold (load) the data
+    metadata: dict[str, Any] = {}  # the caller's JSON given to save_checkpoint
+
+    def __str__(self) -> str:
+        return (
+            f"checkpoint {self.path}: {self.partitions} partitions, {self.rows} rows, "
+            f"{_size(self.nbytes)} on {self.units} storage units"
+        )
 
 
 def _size(n: int) -> str:

@@ -78,6 +78,8 @@ CASES = [
     (m.Ack(rid=1, partition="p", task="t", lease_id=-1, row_ids=[0]),
      "Expected `int` >= 0 - at `$.lease_id`"),
     (m.CountRejected(rid=1, partition="p", count=-1), "Expected `int` >= 0 - at `$.count`"),
+    (m.SaveCheckpoint(rid=1, path="/nonexistent/ck", timeout=math.nan),
+     "Expected `float` >= -10000000.0 - at `$.timeout`"),
 ]  # fmt: skip
 
 
@@ -185,7 +187,7 @@ def test_the_controller_answers_every_extreme_request_and_stays_small(
 # requests a storage unit serves (from clients, and from the controller: drops and resets)
 UNIT_REQUESTS = [
     m.Store, m.Fetch, m.PutRows, m.DropRows, m.DropChunks, m.DropPartition, m.ResetUnit,
-    m.GetUnitStats,
+    m.GetUnitStats, m.LoadUnit,
 ]  # fmt: skip
 
 

@@ -57,6 +57,7 @@ def test_pure_state_modules_do_no_io() -> None:
         "tqstream.controller.views",
         "tqstream.controller.partition",
         "tqstream.controller.placement",
+        "tqstream.controller.snapshot",
         "tqstream.controller.state",
         "tqstream.storage.columns",
     ]

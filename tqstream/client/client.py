@@ -18,11 +18,12 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import torch
 from tensordict import TensorDict
 
 from tqstream.client.admission import AdmissionHandle
-from tqstream.client.core import ClientCore
+from tqstream.client.core import GET_GRACE, ClientCore
 from tqstream.client.lanes import CLOSED, Lanes
 from tqstream.client.loop import LoopThread
 from tqstream.client.versions import row_versions
@@ -30,13 +31,16 @@ from tqstream.config import ClientConfig, from_env
 from tqstream.errors import BatchShapeError, ClosedError, InvalidRequestError
 from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
 from tqstream.protocol.messages import (
+    CheckpointReply,
     ClosePartition,
     CreateAdmission,
     CreatePartition,
     GetMeta,
+    LoadCheckpoint,
     PreparePut,
+    SaveCheckpoint,
 )
-from tqstream.types import BatchMeta, Stats
+from tqstream.types import BatchMeta, CheckpointSummary, Stats
 
 __all__ = ["Batch", "Client", "connect"]
 
@@ -677,6 +681,54 @@ class Client:
     async def async_stats(self, partition: str | None = None) -> Stats:
         return await self._async(ClientCore.stats, partition)
 
+    # --- checkpoints ---
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> CheckpointSummary:
+        """Write a consistent snapshot of the buffer to directory ``path``: every partition's
+        committed rows (their data, keys, groups, versions, tags), each task's consumption
+        (acked rows; leased rows are saved as available), the partitions' settings and the
+        admissions. Puts and gets go on meanwhile; what they change after the snapshot is not in
+        it. Returns once everything is on disk; a checkpoint already at ``path`` is replaced
+        atomically. ``path`` is resolved here and must be on a filesystem the controller and
+        every storage unit see (shared, with units on several hosts). ``metadata``: a JSON
+        object kept with the checkpoint and returned by the load. ``timeout``: seconds for the
+        storage units' writes (None: as long as they take). See docs/checkpoints.md."""
+        msg = _checkpoint_message(SaveCheckpoint, path, timeout, metadata)
+        return self._sync(ClientCore.call, msg, CheckpointReply, _wait(timeout)).summary
+
+    async def async_save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> CheckpointSummary:
+        msg = _checkpoint_message(SaveCheckpoint, path, timeout, metadata)
+        reply = await self._async(ClientCore.call, msg, CheckpointReply, _wait(timeout))
+        return reply.summary
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], *, timeout: float | None = None
+    ) -> CheckpointSummary:
+        """Restore the checkpoint at ``path`` into this cluster, which must hold no rows (empty
+        partitions of the same names are replaced). The storage units may be as many as saved it
+        or not (rows are then spread over them). Afterwards every task is served exactly the
+        rows it had not acked; nothing of a load that fails is kept."""
+        msg = _checkpoint_message(LoadCheckpoint, path, timeout)
+        return self._sync(ClientCore.call, msg, CheckpointReply, _wait(timeout)).summary
+
+    async def async_load_checkpoint(
+        self, path: str | os.PathLike[str], *, timeout: float | None = None
+    ) -> CheckpointSummary:
+        msg = _checkpoint_message(LoadCheckpoint, path, timeout)
+        reply = await self._async(ClientCore.call, msg, CheckpointReply, _wait(timeout))
+        return reply.summary
+
 
 def _partition_message(
     partition: str,
@@ -697,6 +749,37 @@ def _partition_message(
         producers=producers,
         replicas=replicas,
     )
+
+
+def _checkpoint_message(
+    kind: type[SaveCheckpoint] | type[LoadCheckpoint],
+    path: str | os.PathLike[str],
+    timeout: float | None,
+    metadata: Mapping[str, Any] | None = None,
+) -> SaveCheckpoint | LoadCheckpoint:
+    where = os.path.abspath(os.fspath(path))
+    if kind is LoadCheckpoint:
+        return LoadCheckpoint(rid=0, path=where, timeout=timeout)
+    raw = b""
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise InvalidRequestError(
+                f"checkpoint metadata must be a mapping (a JSON object), got "
+                f"{type(metadata).__name__}"
+            )
+        try:
+            raw = msgspec.json.encode(dict(metadata))
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise InvalidRequestError(
+                f"checkpoint metadata must be JSON values (str, numbers, bools, None, lists, "
+                f"dicts with str keys): {exc}"
+            ) from None
+    return SaveCheckpoint(rid=0, path=where, metadata=raw, timeout=timeout)
+
+
+def _wait(timeout: float | None) -> float | None:
+    """How long the client waits for a checkpoint's reply: the units' time and a margin."""
+    return None if timeout is None else timeout + GET_GRACE
 
 
 def _decode(

@@ -34,6 +34,8 @@ class Admission(Protocol):
     def on_version(self, version: int) -> None: ...
     def on_version_recovered(self, version: int) -> None: ...
     def state(self) -> dict[str, int | float | str]: ...
+    def checkpoint(self) -> tuple[dict[str, int | None], dict[int, int]]: ...
+    def restore(self, counters: dict[str, int | None], live: dict[int, int]) -> None: ...
 
 
 def _is_int(value: object) -> bool:
@@ -130,6 +132,30 @@ class _Slots:
 
     def _void(self) -> None:
         self._live.clear()  # their ids stay issued: releasing them later is a no-op
+
+    def checkpoint(self) -> tuple[dict[str, int | None], dict[int, int]]:
+        """Every counter and the live slots (id -> tag): what :meth:`restore` continues from. Slots
+        granted and not released stay running in the restored admission; a producer restarted
+        from the checkpoint calls ``on_version_recovered`` to void them, as after any restart."""
+        counters = {k: v for k, v in vars(self).items() if k != "_live"}
+        return counters, dict(self._live)
+
+    def restore(self, counters: dict[str, int | None], live: dict[int, int]) -> None:
+        """Continue from what :meth:`checkpoint` returned (for an admission of the same style
+        and settings); refuses counters this style does not have, or slots it never issued."""
+        mine = {k for k in vars(self) if k != "_live"}
+        unknown = sorted(set(counters) ^ mine)
+        if unknown or not all(v is None or _is_int(v) for v in counters.values()):
+            raise AdmissionError(
+                f"{self.style} admission cannot restore counters {sorted(counters)} (expected "
+                f"{sorted(mine)}, as whole numbers)",
+                style=self.style,
+            )
+        next_id = counters.get("_next")
+        if not isinstance(next_id, int) or any(not 1 <= i < next_id for i in live):
+            raise AdmissionError(f"{self.style} admission: live slots beyond the ids it issued")
+        vars(self).update(counters)
+        self._live = dict(live)
 
     def _common(self) -> dict[str, int | float | str]:
         return {

@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from tqstream.config import ClientConfig, ControllerConfig
+from tqstream.controller.checkpoint import Checkpoints
 from tqstream.controller.state import ControllerState, Effects
 from tqstream.errors import InvalidRequestError, TQStreamError
 from tqstream.protocol.auth import load_keys
@@ -50,6 +51,7 @@ from tqstream.protocol.messages import (
     GetUnitStats,
     KeysReply,
     ListKeys,
+    LoadCheckpoint,
     MetaReply,
     Ok,
     PrepareFields,
@@ -60,6 +62,7 @@ from tqstream.protocol.messages import (
     Release,
     ReleaseSlots,
     ResetUnit,
+    SaveCheckpoint,
     Slots,
     StatsReply,
     StoredReply,
@@ -139,6 +142,7 @@ class ControllerService:
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.drop_failures = 0
+        self.checkpoints = Checkpoints(self)
 
     @property
     def address(self) -> str:
@@ -245,6 +249,10 @@ class ControllerService:
                     return self._stats(msg.rid, msg.partition)
                 case RegisterUnit():
                     return self._register(msg.rid, msg.address, msg.max_bytes, msg.inproc)
+                case SaveCheckpoint():
+                    return self.checkpoints.save(msg)
+                case LoadCheckpoint():
+                    return self.checkpoints.load(msg)
                 case _:
                     raise InvalidRequestError(
                         f"{type(msg).__name__} is not a controller request; it goes to a "

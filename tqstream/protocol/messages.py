@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from tqstream.types import BatchMeta, FieldSchema, Stats, UnitStats
+from tqstream.types import BatchMeta, CheckpointSummary, FieldSchema, Stats, UnitStats
 
 PROTOCOL_VERSION = 1
 
@@ -316,6 +316,42 @@ class AdmissionInfo(_Msg, frozen=True, tag="admission_info"):
     enqueued: Count = 0
 
 
+# --- checkpoints ---
+class SaveCheckpoint(_Msg, frozen=True, tag="save_checkpoint"):
+    """Write a consistent snapshot of the buffer to directory ``path`` (absolute, on the
+    filesystem the controller and every storage unit see)."""
+
+    path: str
+    metadata: bytes = b""  # the caller's JSON object, kept as given and returned by the load
+    timeout: Seconds | None = None  # for the storage units' writes; None: as long as they take
+
+
+class LoadCheckpoint(_Msg, frozen=True, tag="load_checkpoint"):
+    """Restore the checkpoint at ``path`` into a cluster that holds no rows."""
+
+    path: str
+    timeout: Seconds | None = None
+
+
+class SaveUnit(_Msg, frozen=True, tag="save_unit"):
+    """To a storage unit: write the fields of ``rows`` (partition -> row ids) under ``directory``,
+    from its chunks with ids below ``before_chunk`` except ``skip_chunks`` (puts in flight at the
+    snapshot), as they are when this order arrives."""
+
+    directory: str
+    rows: dict[str, Ids]
+    before_chunk: Id
+    skip_chunks: Ids = []
+
+
+class LoadUnit(_Msg, frozen=True, tag="load_unit"):
+    """To a storage unit: hold the chunks of ``files`` (written by ``SaveUnit``s), each under its
+    saved id plus ``chunk_base`` (ids of this cluster's, never issued before)."""
+
+    files: Names
+    chunk_base: Id = 0
+
+
 Request = (
     Hello
     | RegisterUnit
@@ -348,6 +384,10 @@ Request = (
     | ReleaseSlots
     | AdmissionVersion
     | AdmissionInfo
+    | SaveCheckpoint
+    | LoadCheckpoint
+    | SaveUnit
+    | LoadUnit
 )
 
 
@@ -427,6 +467,23 @@ class AdmissionReply(_Msg, frozen=True, tag="admission"):
     capacity: int | None = None
 
 
+class SavedFile(msgspec.Struct, frozen=True):
+    """A file a storage unit wrote for a ``SaveUnit``: the chunks of some rows of one partition."""
+
+    name: str  # relative to the unit's directory
+    partition: str
+    row_ids: list[int]
+    nbytes: int
+
+
+class UnitSaved(_Msg, frozen=True, tag="unit_saved"):
+    files: list[SavedFile]
+
+
+class CheckpointReply(_Msg, frozen=True, tag="checkpoint"):
+    summary: CheckpointSummary
+
+
 Reply = (
     Ok
     | ErrorReply
@@ -443,6 +500,8 @@ Reply = (
     | UnitStatsReply
     | Slots
     | AdmissionReply
+    | UnitSaved
+    | CheckpointReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -217,6 +217,29 @@ class ColumnStore:
         held = part.rows if part is not None else {}
         return [row for row in row_ids if row not in held]
 
+    def chunks_of(
+        self, partition: str, row_ids: Iterable[int], keep: Callable[[int], bool]
+    ) -> tuple[dict[int, tuple[dict[str, Column], dict[int, int]]], list[int]]:
+        """The chunks holding fields of ``row_ids`` whose ids pass ``keep``, each as its columns
+        and the positions of those rows in it (row -> position); and the rows of which nothing at
+        all is held. The columns are the chunk's own, read-only: they stay valid (and keep the
+        chunk's memory) after the rows are dropped from the store."""
+        part = self._partitions.get(partition)
+        out: dict[int, tuple[dict[str, Column], dict[int, int]]] = {}
+        missing: list[int] = []
+        for row in row_ids:
+            chunks = part.rows.get(row) if part is not None else None
+            if chunks is None:
+                missing.append(row)
+                continue
+            for chunk in chunks:
+                if keep(chunk.id):
+                    entry = out.get(chunk.id)
+                    if entry is None:
+                        entry = out[chunk.id] = (chunk.columns, {})
+                    entry[1][row] = chunk.positions[row]
+        return out, missing
+
     def drop_rows(self, partition: str, row_ids: Iterable[int]) -> int:
         """Drop every field of the rows; rows not held are ignored. Returns the rows dropped."""
         part = self._partitions.get(partition)

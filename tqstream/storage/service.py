@@ -55,6 +55,7 @@ from tqstream.protocol.messages import (
     ErrorReply,
     Fetch,
     GetUnitStats,
+    LoadUnit,
     MetaReply,
     Ok,
     PreparePut,
@@ -63,6 +64,7 @@ from tqstream.protocol.messages import (
     Region,
     RegisterUnit,
     ResetUnit,
+    SaveUnit,
     Store,
     StoredReply,
     StoredResults,
@@ -70,6 +72,7 @@ from tqstream.protocol.messages import (
 )
 from tqstream.protocol.server import Responder, Server
 from tqstream.protocol.transport import error_from_reply, shared_context
+from tqstream.storage.checkpoint import UnitCheckpoints
 from tqstream.storage.columns import ColumnStore
 from tqstream.types import FieldSchema, UnitStats
 
@@ -129,6 +132,9 @@ class StorageService:
         self.unit: int | None = None
         self._link: Connection | None = None  # to the controller, for stored puts
         self._landings: set[_Landing] = set()
+        self.checkpoints = UnitCheckpoints(
+            self.store, lambda p: [x.done for x in self._in_flight(p)], lambda: self.address
+        )
         self._outgoing: list[_Landing] = []  # stored puts not sent to the controller yet
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -276,6 +282,7 @@ class StorageService:
         try:
             reply = await landing.answer
             rows = reply.meta.row_ids
+            self.checkpoints.landed(partition, reply.chunk, rows, columns)  # before its drops
             before = landing.cleared_before
             if before < 0 or (before and reply.chunk >= before):  # not cleared since the commit
                 self.store.add_chunk(partition, reply.chunk, rows, columns)
@@ -380,6 +387,10 @@ class StorageService:
                     )  # fmt: skip
                 s.drop_partition(msg.partition, msg.before_chunk)
                 return Ok(rid=msg.rid)
+            case SaveUnit():
+                return self.checkpoints.save(msg)
+            case LoadUnit():
+                return self.checkpoints.load(msg)
             case ResetUnit():
                 # stored puts still landing get their chunk ids from the controller, which
                 # commits them only now that the unit is revived: they are younger, and stay

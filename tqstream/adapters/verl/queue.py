@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +37,7 @@ from tqstream.errors import (
     SchemaError,
     TQStreamError,
 )
-from tqstream.types import PartitionStats
+from tqstream.types import CheckpointSummary, PartitionStats
 
 __all__ = ["MessageQueueClient"]
 
@@ -315,6 +316,44 @@ class MessageQueueClient:
         """The end of the stream: no more samples; getters drain the queue, then get
         ``(None, 0)``."""
         await self.client.async_close_partition(self.samples)
+
+    # --- checkpoints: transfer_queue's save_checkpoint / load_checkpoint, as verl calls them ---
+    def save_checkpoint(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        include_storage: bool = True,
+        metadata: dict[str, Any] | None = None,
+    ) -> CheckpointSummary:
+        """verl's ``tq.save_checkpoint(path, metadata={"global_steps": step})``: a consistent
+        checkpoint of the whole buffer (this queue's samples, their admission slots, and every
+        other partition of the cluster) in directory ``checkpoint_dir``, replaced atomically if
+        it exists. Blocking, as verl's trainer calls it (``async_save_checkpoint``: the
+        coroutine). ``include_storage`` is accepted for its signature and ignored: the samples
+        are in memory, so they are always saved (TransferQueue's in-memory storage ignores it
+        too). See docs/checkpoints.md."""
+        return self.client.save_checkpoint(checkpoint_dir, metadata=metadata)
+
+    async def async_save_checkpoint(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        include_storage: bool = True,
+        metadata: dict[str, Any] | None = None,
+    ) -> CheckpointSummary:
+        return await self.client.async_save_checkpoint(checkpoint_dir, metadata=metadata)
+
+    def load_checkpoint(self, checkpoint_dir: str | os.PathLike[str]) -> CheckpointSummary:
+        """verl's ``tq.load_checkpoint(path)``, into a cluster that holds no samples yet (this
+        queue's own partitions, empty since it was built, are replaced): then ``get_sample``
+        returns the samples that were queued at the save, oldest first, and the queue's slots
+        count them as before."""
+        return self.client.load_checkpoint(checkpoint_dir)
+
+    async def async_load_checkpoint(
+        self, checkpoint_dir: str | os.PathLike[str]
+    ) -> CheckpointSummary:
+        return await self.client.async_load_checkpoint(checkpoint_dir)
 
 
 def _json_value(data: Any) -> Any:

@@ -1,0 +1,483 @@
+"""The controller state as a checkpoint holds it, and the state rebuilt from one. Pure: no I/O.
+
+:func:`take` runs in one step of the controller loop, so what it captures is consistent: the
+committed rows with their keys, groups, versions, tags of the production matrix (``written`` and
+the write sequence that orders reads), every task's acked rows and counters, the partitions'
+settings (registered tasks, ttl, producers and closes, schemas) and the admissions' state. What is
+in flight is left out, because the processes it belongs to do not survive a restart: uncommitted
+puts and ``put_fields`` (their rows, fields and bytes), leases (their rows are saved available),
+parked gets and acquires. A ttl keeps the time it had left.
+
+:func:`prepare` checks a snapshot read back from disk and builds its state without changing
+anything (a checkpoint that is not self-consistent raises ``CheckpointCorruptError``), before the
+storage units load a byte; :func:`install` puts it in place in one step once they did. Row ids,
+keys and the id counter (leases, puts, chunks) continue after the saved ones, so nothing issued
+later can collide with a restored name; views are rebuilt lazily by the first get that needs
+them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from tqstream.controller.admission import Admission, make_admission
+from tqstream.controller.partition import Group, Partition, Row, TaskState
+from tqstream.controller.records import Effects
+from tqstream.controller.state import ControllerState
+from tqstream.errors import AdmissionError, CheckpointCorruptError, CheckpointError
+from tqstream.types import FieldSchema
+
+__all__ = [
+    "FORMAT",
+    "ControllerSnapshot",
+    "FileEntry",
+    "Prepared",
+    "Taken",
+    "assign_files",
+    "install",
+    "placement",
+    "prepare",
+    "replaceable",
+    "reserve_ids",
+    "restore",
+    "take",
+]
+
+FORMAT = 1
+"""Version of the snapshot layout; a checkpoint of another version is refused, not guessed at."""
+
+Mask = int | str
+"""A field bitmask; as hex text beyond 63 bits (msgpack integers are 64-bit)."""
+
+
+class RowsTable(msgspec.Struct, frozen=True):
+    """A partition's committed rows, one list per attribute (compact in msgpack)."""
+
+    ids: list[int]
+    keys: list[str]
+    groups: list[str | None]
+    nbytes: list[int]
+    version_start: list[int | None]
+    version_end: list[int | None]
+    dispatch_version: list[int | None]
+    written: list[Mask]
+    ready_seq: list[int]
+    writes: list[list[tuple[Mask, int]]]
+
+
+class GroupEntry(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    size: int
+    fields: list[str]
+    members: list[int]
+
+
+class TaskEntry(msgspec.Struct, frozen=True):
+    name: str
+    acked: list[int]
+    stale_dropped: int = 0
+    lag: dict[int, int] = {}
+    lost: int = 0
+
+
+class TtlEntry(msgspec.Struct, frozen=True, array_like=True):
+    left: float  # seconds the rows had left to live at the snapshot
+    rows: list[int]
+
+
+class PartitionEntry(msgspec.Struct, frozen=True):
+    name: str
+    key_prefix: str
+    fields: list[str]  # in bit order: field i is bit 1 << i of the masks
+    schemas: dict[str, FieldSchema]
+    rows: RowsTable
+    groups: list[GroupEntry]
+    tasks: list[TaskEntry]
+    next_row: int
+    seq: int
+    born: int
+    registered: list[str]
+    ttl: float | None
+    ttl_left: list[TtlEntry]
+    admission: str | None
+    produced: int
+    rejected: int
+    stale_dropped: int
+    expired: int
+    freed: int
+    producers: int
+    closes: int
+    lost: int = 0
+    replicas: int | None = None  # copies of each row; None: the controller's default
+
+
+class AdmissionEntry(msgspec.Struct, frozen=True):
+    name: str
+    style: str
+    config: dict[str, int]
+    counters: dict[str, int | None]
+    live: dict[int, int]  # slots granted and not released: id -> the window/version it counts in
+
+
+class FileEntry(msgspec.Struct, frozen=True):
+    """A file of chunks written by storage unit ``unit``: the rows of one partition it holds."""
+
+    unit: int
+    name: str  # relative to the checkpoint directory
+    partition: str
+    row_ids: list[int]
+    nbytes: int
+
+
+class ControllerSnapshot(msgspec.Struct, frozen=True):
+    format: int
+    next_id: int  # every lease, put and chunk id issued before the snapshot is smaller
+    units: int
+    partitions: list[PartitionEntry]
+    admissions: list[AdmissionEntry]
+    next_rows: dict[str, int]  # first row id of a re-created partition (see ControllerState)
+    files: list[FileEntry] = []
+
+
+class Taken(msgspec.Struct, frozen=True):
+    """What :func:`take` returns: the snapshot (without its files, which the units name once they
+    wrote them) and what each storage unit must save: per unit, the rows of each partition it
+    holds; ``before_chunk`` and the chunks of puts still in flight bound what it may save."""
+
+    snapshot: ControllerSnapshot
+    rows: dict[int, dict[str, list[int]]]
+    before_chunk: int
+    skip_chunks: dict[int, list[int]]
+
+
+def _mask_out(mask: int) -> Mask:
+    return mask if mask < 1 << 63 else format(mask, "x")
+
+
+def _mask_in(mask: Mask) -> int:
+    return mask if isinstance(mask, int) else int(mask, 16)
+
+
+def take(state: ControllerState, now: float) -> Taken:
+    """Snapshot ``state`` (see the module docstring); run it within one step of the loop."""
+    before = next(state._ids)
+    extra: dict[tuple[str, int], int] = {}  # bytes of put_fields in flight, not in the snapshot
+    skip: dict[int, list[int]] = {}
+    for put in state.pending.values():
+        for unit, chunk in put.chunks:
+            skip.setdefault(unit, []).append(chunk)
+        if not put.new_rows and not put.cancelled:
+            for r in put.rows:
+                extra[put.partition, r.id] = extra.get((put.partition, r.id), 0) + put.per_row
+    ttls: dict[str, list[TtlEntry]] = {}
+    for deadline, _, kind, ref in state._deadlines:
+        owner: Partition | None = ref[0] if kind == "ttl" else None
+        if owner is None or state.partitions.get(owner.name) is not owner:
+            continue  # another kind, or a partition cleared since
+        alive = [rid for rid in ref[1] if rid in owner.rows and owner.rows[rid].committed]
+        if alive:
+            ttls.setdefault(owner.name, []).append(TtlEntry(max(deadline - now, 0.0), alive))
+    by_unit: dict[int, dict[str, list[int]]] = {}
+    parts = []
+    for p in state.partitions.values():
+        rows = [r for r in p.rows.values() if r.committed]
+        for r in rows:
+            by_unit.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
+        parts.append(_partition(p, rows, extra, ttls.get(p.name, [])))
+    admissions = []
+    for name, (adm, style, config) in state.admissions.items():
+        counters, live = adm.checkpoint()
+        admissions.append(AdmissionEntry(name, style, dict(config), counters, live))
+    snapshot = ControllerSnapshot(
+        format=FORMAT,
+        next_id=before,
+        units=len(state.units),
+        partitions=parts,
+        admissions=admissions,
+        next_rows=dict(state._next_rows),
+    )
+    return Taken(snapshot, by_unit, before, skip)
+
+
+def _partition(
+    p: Partition, rows: list[Row], extra: dict[tuple[str, int], int], ttls: list[TtlEntry]
+) -> PartitionEntry:
+    committed = {r.id for r in rows}
+    table = RowsTable(
+        ids=[r.id for r in rows],
+        keys=[r.key for r in rows],
+        groups=[r.group for r in rows],
+        nbytes=[r.nbytes - extra.get((p.name, r.id), 0) for r in rows],
+        version_start=[r.version_start for r in rows],
+        version_end=[r.version_end for r in rows],
+        dispatch_version=[r.dispatch_version for r in rows],
+        written=[_mask_out(r.written) for r in rows],
+        ready_seq=[r.ready_seq for r in rows],
+        writes=[[(_mask_out(m), s) for m, s in r.writes] for r in rows],
+    )
+    groups = []
+    for name, g in p.groups.items():
+        members = [m for m in g.members if m in committed]
+        if members:  # a group whose every member is still being put is not in the snapshot
+            groups.append(GroupEntry(name, g.size, sorted(g.fields), members))
+    tasks = [
+        TaskEntry(name, sorted(t.acked & committed), t.stale_dropped, dict(t.lag), t.lost)
+        for name, t in p.tasks.items()
+    ]
+    return PartitionEntry(
+        name=p.name,
+        key_prefix=p.key_prefix,
+        fields=list(p.bits),
+        schemas=dict(p.schemas),
+        rows=table,
+        groups=groups,
+        tasks=tasks,
+        next_row=p.next_row,
+        seq=p.seq,
+        born=p.born,
+        registered=list(p.registered),
+        ttl=p.ttl,
+        ttl_left=ttls,
+        admission=p.admission,
+        produced=p.produced,
+        rejected=p.rejected,
+        stale_dropped=p.stale_dropped,
+        expired=p.expired,
+        freed=p.freed,
+        producers=p.producers,
+        closes=p.closes,
+        lost=p.lost,
+        replicas=p.replicas,
+    )
+
+
+# --- restore ---
+Placement = list[tuple[int, int]]
+"""Per file of a snapshot, the storage unit that loads it and the one that loads its second copy
+(-1: none)."""
+
+
+def assign_files(
+    files: Sequence[FileEntry], saved_units: int, alive: Sequence[bool], copies: Sequence[int]
+) -> Placement:
+    """Where each file is loaded. With as many units as were saved, all alive, the file of unit
+    i goes to unit i (each unit reads what it wrote: its own disk will do). Otherwise the files
+    are spread over the live units by bytes: largest first, each to the unit holding the fewest
+    bytes so far. A file holds every chunk of its rows, so a row's fields stay on one unit. A file
+    of a partition keeping two copies (``copies``) is loaded a second time on the live unit with
+    the fewest bytes but that one, when there is one."""
+    live = [u for u, ok in enumerate(alive) if ok]
+    if not live and files:
+        raise CheckpointError("no live storage unit to load the checkpoint's rows into")
+    same = len(alive) == saved_units and all(
+        0 <= f.unit < len(alive) and alive[f.unit] for f in files
+    )
+    load = dict.fromkeys(live, 0)
+    out = [(-1, -1)] * len(files)
+    for i in sorted(range(len(files)), key=lambda i: -files[i].nbytes):
+        n = files[i].nbytes
+        unit = files[i].unit if same else min(live, key=lambda u: (load[u], u))
+        load[unit] += n
+        replica = -1
+        others = [u for u in live if u != unit]
+        if copies[i] > 1 and others:
+            replica = min(others, key=lambda u: (load[u], u))
+            load[replica] += n
+        out[i] = (unit, replica)
+    return out
+
+
+def placement(state: ControllerState, snap: ControllerSnapshot) -> Placement:
+    """:func:`assign_files` for ``state``'s units and each partition's copies."""
+    copies = {e.name: e.replicas or state.replicas for e in snap.partitions}
+    per_file = [copies.get(f.partition, 1) for f in snap.files]
+    return assign_files(snap.files, snap.units, state.units.alive, per_file)
+
+
+def reserve_ids(state: ControllerState, next_id: int) -> None:
+    """Move the id counter past every id of a checkpoint before anything of it is loaded."""
+    state._ids = itertools.count(max(next(state._ids), next_id))
+
+
+class Prepared:
+    """A checked snapshot, its partitions and admissions built, ready for :func:`install`."""
+
+    def __init__(
+        self,
+        snap: ControllerSnapshot,
+        partitions: list[tuple[Partition, list[TtlEntry]]],
+        admissions: list[Admission],
+        losses: dict[int, int],
+    ) -> None:
+        self.snap, self.partitions, self.admissions = snap, partitions, admissions
+        self.losses = losses  # unit -> how often it was lost, for the units the rows go to
+
+
+Replaceable = Mapping[str, tuple[Partition, int]]
+"""Partitions of a checkpoint's names that were empty when its load began, with their next row
+id then: a load replaces them if nobody put to them since."""
+
+
+def replaceable(
+    state: ControllerState, snap: ControllerSnapshot
+) -> dict[str, tuple[Partition, int]]:
+    """The partitions of ``snap``'s names that ``state`` holds now (call when the load begins and
+    the cluster holds no rows)."""
+    names = [e.name for e in snap.partitions]
+    return {
+        n: (state.partitions[n], state.partitions[n].next_row)
+        for n in names
+        if n in state.partitions
+    }
+
+
+def prepare(state: ControllerState, snap: ControllerSnapshot, where: Placement) -> Prepared:
+    """Check ``snap`` (its files loaded where ``where`` says) and build its state, changing
+    nothing: a snapshot that is not self-consistent raises ``CheckpointCorruptError``."""
+    unit_of: dict[tuple[str, int], tuple[int, int]] = {}
+    n = len(state.units)
+    for f, (unit, replica) in zip(snap.files, where, strict=True):
+        if not 0 <= unit < n or not -1 <= replica < n:
+            raise _corrupt(f"file {f.name!r} belongs to storage unit {unit} of {n}")
+        for rid in f.row_ids:
+            if (f.partition, rid) in unit_of:
+                raise _corrupt(f"row {rid} of partition {f.partition!r} is in two files")
+            unit_of[f.partition, rid] = (unit, replica)
+    built = [_build(entry, unit_of) for entry in snap.partitions]
+    used = {u for pair in where for u in pair if u >= 0}
+    losses = {u: state.units.losses[u] for u in used}
+    return Prepared(snap, built, [_admission(entry) for entry in snap.admissions], losses)
+
+
+def install(state: ControllerState, ready: Prepared, now: float, empty: Replaceable) -> Effects:
+    """Install a prepared snapshot in one step. A partition of the checkpoint's names must not
+    exist, or be one of ``empty`` that nobody has put to since: it is then replaced (cleared: the
+    returned effects fail its waiting gets). An admission of the same name must not have granted
+    slots. Otherwise ``CheckpointError``, and ``state`` is unchanged."""
+    clash = []
+    for p, _ in ready.partitions:
+        now_p, was = state.partitions.get(p.name), empty.get(p.name)
+        if now_p is not None and (was is None or was != (now_p, now_p.next_row) or now_p.rows):
+            clash.append(p.name)
+    if clash:
+        raise CheckpointError(
+            f"partition(s) {', '.join(map(repr, clash))} of the checkpoint were put to while it "
+            f"was loading; nothing of the checkpoint was kept: clear them and load again",
+            partitions=clash,
+        )
+    gone = [
+        u for u, n in ready.losses.items() if not state.units.alive[u] or state.units.losses[u] != n
+    ]
+    if gone:
+        raise CheckpointError(
+            f"storage unit(s) {gone} were lost while the checkpoint loaded; nothing of it was "
+            f"kept: load it again",
+            units=gone,
+        )
+    for entry in ready.snap.admissions:
+        existing = state.admissions.get(entry.name)
+        if existing is not None and existing[0].state()["granted"]:
+            raise CheckpointError(
+                f"admission {entry.name!r} of the checkpoint exists in this cluster and has "
+                f"granted slots; load the checkpoint before producers acquire any",
+                name=entry.name,
+            )
+    effects = Effects()
+    for p, ttls in ready.partitions:
+        if p.name in state.partitions:  # empty since before the load: nothing of it on the units
+            replaced = state.clear_partition(p.name)
+            replaced.drop_partitions.clear()  # which would drop the chunks just loaded
+            effects.extend(replaced)
+        state.partitions[p.name] = p
+        for r in p.rows.values():
+            state.units.bytes[r.unit] += r.nbytes
+            if r.replica >= 0:
+                state.units.bytes[r.replica] += r.nbytes
+        for t in ttls:
+            state._at(now + t.left, "ttl", (p, list(t.rows)))
+    for entry, adm in zip(ready.snap.admissions, ready.admissions, strict=True):
+        state.admissions[entry.name] = (adm, entry.style, dict(entry.config))
+    for name, first in ready.snap.next_rows.items():
+        state._next_rows[name] = max(state._next_rows.get(name, 0), first)
+    reserve_ids(state, ready.snap.next_id)
+    return effects
+
+
+def restore(state: ControllerState, snap: ControllerSnapshot, now: float) -> Effects:
+    """:func:`prepare` and :func:`install` at once, the files placed by :func:`placement`,
+    replacing the empty partitions of ``state`` of the checkpoint's names."""
+    ready = prepare(state, snap, placement(state, snap))
+    return install(state, ready, now, replaceable(state, snap))
+
+
+def _corrupt(problem: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"the checkpoint's controller state is inconsistent: {problem}")
+
+
+def _build(
+    e: PartitionEntry, unit_of: dict[tuple[str, int], tuple[int, int]]
+) -> tuple[Partition, list[TtlEntry]]:
+    t = e.rows
+    n = len(t.ids)
+    columns = (t.keys, t.groups, t.nbytes, t.version_start, t.version_end, t.dispatch_version,
+               t.written, t.ready_seq, t.writes)  # fmt: skip
+    if any(len(c) != n for c in columns):
+        raise _corrupt(f"partition {e.name!r} has row lists of different lengths")
+    if len(set(e.fields)) != len(e.fields):
+        raise _corrupt(f"partition {e.name!r} lists a field twice")
+    p = Partition(e.name, e.key_prefix)
+    p.declare(e.fields)
+    full = (1 << len(e.fields)) - 1
+    p.schemas = dict(e.schemas)
+    for i, rid in enumerate(t.ids):
+        where = unit_of.get((e.name, rid))
+        if where is None:
+            raise _corrupt(f"row {rid} of partition {e.name!r} is in no storage unit's file")
+        if not 0 <= rid < e.next_row or rid in p.rows or t.keys[i] in p.keys:
+            raise _corrupt(f"row {rid} (key {t.keys[i]!r}) of partition {e.name!r} repeats")
+        r = Row(rid, t.keys[i], t.groups[i], where[0], t.nbytes[i], None)
+        r.replica = where[1]
+        r.version_start, r.version_end = t.version_start[i], t.version_end[i]
+        r.dispatch_version = t.dispatch_version[i]
+        r.written = _mask_in(t.written[i])
+        r.writes = [(_mask_in(m), s) for m, s in t.writes[i]]
+        if not r.written or r.written & ~full or any(m & ~full for m, _ in r.writes):
+            raise _corrupt(f"row {rid} of partition {e.name!r} names fields it does not have")
+        r.committed, r.ready_seq = True, t.ready_seq[i]
+        p.rows[rid] = r
+        p.keys[r.key] = rid
+        p._count(r.written, 1)
+    p.committed = n
+    for g in e.groups:
+        if not 0 < len(g.members) <= g.size or not all(m in p.rows for m in g.members):
+            raise _corrupt(f"group {g.name!r} of partition {e.name!r} has unknown members")
+        group = p.groups[g.name] = Group(g.size, frozenset(g.fields))
+        group.members = list(g.members)
+    if any(r.group is not None and r.group not in p.groups for r in p.rows.values()):
+        raise _corrupt(f"partition {e.name!r} has a row of a group it does not list")
+    for te in e.tasks:
+        if not all(rid in p.rows for rid in te.acked):
+            raise _corrupt(f"task {te.name!r} of partition {e.name!r} acked unknown rows")
+        task = p.tasks[te.name] = TaskState()
+        task.acked, task.stale_dropped, task.lag = set(te.acked), te.stale_dropped, dict(te.lag)
+        task.lost = te.lost
+    if not all(rid in p.rows for ttl in e.ttl_left for rid in ttl.rows):
+        raise _corrupt(f"partition {e.name!r} has a ttl for unknown rows")
+    p.next_row, p.seq, p.born = e.next_row, e.seq, e.born
+    p.registered, p.ttl, p.admission = list(e.registered), e.ttl, e.admission
+    p.produced, p.rejected, p.stale_dropped = e.produced, e.rejected, e.stale_dropped
+    p.expired, p.freed, p.producers, p.closes = e.expired, e.freed, e.producers, e.closes
+    p.lost, p.replicas = e.lost, e.replicas
+    return p, list(e.ttl_left)
+
+
+def _admission(entry: AdmissionEntry) -> Admission:
+    try:
+        adm = make_admission(entry.style, **entry.config)
+        adm.restore(entry.counters, entry.live)
+    except AdmissionError as exc:
+        raise _corrupt(f"admission {entry.name!r}: {exc}") from None
+    return adm
