@@ -10,7 +10,6 @@ thread does not exist there): create a new one.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import secrets
@@ -18,67 +17,35 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import msgspec
-import torch
 from tensordict import TensorDict
 
 from tqstream.client.admission import AdmissionHandle
-from tqstream.client.core import GET_GRACE, ClientCore
+from tqstream.client.batch import Batch, Window
+from tqstream.client.core import ClientCore
 from tqstream.client.lanes import CLOSED, Lanes
 from tqstream.client.loop import LoopThread
-from tqstream.client.versions import row_versions
+from tqstream.client.requests import (
+    PadValues,
+    checkpoint_message,
+    decode,
+    encode_fields,
+    encode_put,
+    get_request,
+    partition_message,
+    reply_wait,
+)
 from tqstream.config import ClientConfig, from_env
-from tqstream.errors import BatchShapeError, ClosedError, InvalidRequestError
-from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
+from tqstream.errors import ClosedError
 from tqstream.protocol.messages import (
     CheckpointReply,
     ClosePartition,
     CreateAdmission,
-    CreatePartition,
-    GetMeta,
     LoadCheckpoint,
-    PreparePut,
     SaveCheckpoint,
 )
 from tqstream.types import BatchMeta, CheckpointSummary, Stats
 
 __all__ = ["Batch", "Client", "connect"]
-
-PadValues = float | Mapping[str, float]
-
-
-@dataclasses.dataclass(frozen=True)
-class Window:
-    """A staleness window for reads (see ``Client.get_meta``)."""
-
-    current_version: int | None = None
-    max_staleness: int | None = None
-    measure: str = "head"
-    on_stale: str = "keep"
-
-
-@dataclasses.dataclass
-class Batch:
-    """A batch read by ``get``/``get_by_keys``: ``meta`` (rows, lease) and ``data`` (TensorDict)."""
-
-    meta: BatchMeta
-    data: TensorDict
-    client: Client = dataclasses.field(repr=False)
-
-    def __len__(self) -> int:
-        return len(self.meta)
-
-    def ack(self) -> int:
-        return self.client.ack(self.meta)
-
-    async def async_ack(self) -> int:
-        return await self.client.async_ack(self.meta)
-
-    def release(self) -> int:
-        return self.client.release(self.meta)
-
-    async def async_release(self) -> int:
-        return await self.client.async_release(self.meta)
 
 
 class Client:
@@ -182,85 +149,6 @@ class Client:
         return await method(core, *args)
 
     # --- put ---
-    def _encode_put(
-        self,
-        data: Any,
-        partition: str,
-        keys: Sequence[str] | None,
-        groups: Sequence[Any] | None,
-        group_size: int | None,
-        version: int | None,
-        dispatch_version: int | Sequence[int | None] | None,
-        versions_field: str | None,
-        reject_mixed_versions: bool,
-        timeout: float | None,
-    ) -> tuple[PreparePut, dict[str, Column]]:
-        """Encode the batch into columns and the prepare request (in the caller's thread)."""
-        n, columns = columns_from_data(data)
-        for name, seq in (("keys", keys), ("groups", groups)):
-            if seq is not None and len(seq) != n:
-                raise BatchShapeError(
-                    f"{name}= has {len(seq)} entries but the data has {n} rows", rows=n
-                )
-        if keys is not None:
-            bad = [k for k in keys if not isinstance(k, str)]
-            if bad:
-                raise InvalidRequestError(
-                    f"keys must be strings, got {type(bad[0]).__name__} {bad[0]!r}"
-                )
-            keys = list(keys)
-        if groups is not None:
-            groups = [None if g is None else str(g) for g in groups]
-        dispatch: list[int | None] | None = None
-        if isinstance(dispatch_version, int):
-            dispatch = [dispatch_version] * n
-        elif dispatch_version is not None:
-            dispatch = list(dispatch_version)
-            if len(dispatch) != n:
-                raise BatchShapeError(
-                    f"dispatch_version= has {len(dispatch)} entries but the data has {n} rows",
-                    rows=n,
-                )
-        starts = ends = None
-        if versions_field is not None and versions_field in columns:
-            starts, ends = row_versions(versions_field, columns[versions_field], version)
-        rejected = 0
-        if reject_mixed_versions:
-            if starts is None or ends is None:
-                where = (
-                    "a per-token versions field, but versions_field=None"
-                    if versions_field is None
-                    else f"the per-token versions field {versions_field!r} in the data (or name "
-                    f"it with versions_field=)"
-                )
-                raise InvalidRequestError(f"reject_mixed_versions=True needs {where}")
-            keep = [i for i in range(n) if starts[i] == ends[i]]
-            rejected = n - len(keep)
-            if rejected:
-                index = torch.tensor(keep, dtype=torch.int64)
-                columns = {k: c.take(index) for k, c in columns.items()}
-                pick = lambda seq: None if seq is None else [seq[i] for i in keep]  # noqa: E731
-                keys, groups, dispatch = pick(keys), pick(groups), pick(dispatch)
-                starts, ends = pick(starts), pick(ends)
-                n = len(keep)
-        req = PreparePut(
-            rid=0,
-            partition=partition,
-            n_rows=n,
-            schemas={k: c.schema for k, c in columns.items()},
-            nbytes=sum(c.nbytes for c in columns.values()),
-            keys=keys,
-            groups=groups,
-            group_size=group_size,
-            version=version,
-            version_start=starts,
-            version_end=ends,
-            dispatch_version=dispatch,
-            rejected=rejected,
-            timeout=timeout,
-        )
-        return req, columns
-
     def put(
         self,
         data: Any,
@@ -288,7 +176,7 @@ class Client:
         forever), then ``CapacityError``. The rows become visible to readers all at once, when
         every byte is stored.
         """
-        req, columns = self._encode_put(
+        req, columns = encode_put(
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout,
         )  # fmt: skip
@@ -308,30 +196,18 @@ class Client:
         reject_mixed_versions: bool = False,
         timeout: float | None = None,
     ) -> BatchMeta:
-        req, columns = self._encode_put(
+        req, columns = encode_put(
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout,
         )  # fmt: skip
         return await self._async(ClientCore.put, req, columns)
 
-    @staticmethod
-    def _encode_fields(meta: BatchMeta, data: Any) -> dict[str, Column]:
-        n, columns = columns_from_data(data)
-        if n != len(meta):
-            raise BatchShapeError(
-                f"put_fields got {n} rows of data for a batch of {len(meta)} "
-                f"rows; pass one row per row of the BatchMeta, in its order",
-                rows=n,
-                expected=len(meta),
-            )
-        return columns
-
     def put_fields(self, meta: BatchMeta, data: Any) -> None:
         """Add columns (e.g. ``advantages``) to existing rows, in ``meta``'s row order."""
-        self._sync(ClientCore.put_fields, meta, self._encode_fields(meta, data))
+        self._sync(ClientCore.put_fields, meta, encode_fields(meta, data))
 
     async def async_put_fields(self, meta: BatchMeta, data: Any) -> None:
-        await self._async(ClientCore.put_fields, meta, self._encode_fields(meta, data))
+        await self._async(ClientCore.put_fields, meta, encode_fields(meta, data))
 
     def create_partition(
         self,
@@ -356,7 +232,7 @@ class Client:
         loses no row (default: the controller's ``replicas``, 1 unless configured); set it before
         the first put. Calling it again adds fields and updates the other settings.
         """
-        msg = _partition_message(partition, fields, tasks, ttl, admission, producers, replicas)
+        msg = partition_message(partition, fields, tasks, ttl, admission, producers, replicas)
         self._sync(ClientCore.call, msg)
 
     async def async_create_partition(
@@ -370,7 +246,7 @@ class Client:
         producers: int | None = None,
         replicas: int | None = None,
     ) -> None:
-        msg = _partition_message(partition, fields, tasks, ttl, admission, producers, replicas)
+        msg = partition_message(partition, fields, tasks, ttl, admission, producers, replicas)
         await self._async(ClientCore.call, msg)
 
     def close_partition(self, partition: str) -> int:
@@ -385,34 +261,6 @@ class Client:
         return (await self._async(ClientCore.call, msg)).count
 
     # --- get ---
-    @staticmethod
-    def _get_request(
-        partition: str,
-        fields: Sequence[str] | str,
-        batch_size: int,
-        task: str,
-        whole_groups: bool,
-        lease_timeout: float | None,
-        timeout: float | None,
-        window: Window,
-    ) -> GetMeta:
-        if isinstance(fields, str):
-            fields = [fields]
-        return GetMeta(
-            rid=0,
-            partition=partition,
-            fields=list(fields),
-            batch_size=batch_size,
-            task=task,
-            whole_groups=whole_groups,
-            lease_timeout=lease_timeout,
-            timeout=timeout,
-            current_version=window.current_version,
-            max_staleness=window.max_staleness,
-            measure=window.measure,
-            on_stale=window.on_stale,
-        )
-
     def get_meta(
         self,
         partition: str,
@@ -442,7 +290,7 @@ class Client:
         window again), counted in ``meta.stale_dropped`` and in stats; "keep" leaves them.
         """
         window = Window(current_version, max_staleness, measure, on_stale)
-        req = self._get_request(
+        req = get_request(
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         return self._sync(ClientCore.get_meta, req)
@@ -463,7 +311,7 @@ class Client:
         on_stale: str = "keep",
     ) -> BatchMeta:
         window = Window(current_version, max_staleness, measure, on_stale)
-        req = self._get_request(
+        req = get_request(
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         return await self._async(ClientCore.get_meta, req)
@@ -484,7 +332,7 @@ class Client:
         the storage unit's pages — unless ``copy=True`` asks for private copies (one memcpy)."""
         names = list(meta.fields if fields is None else fields)
         columns = self._sync(ClientCore.fetch, meta, names)
-        return _decode(len(meta), columns, padded, pad_values, copy)
+        return decode(len(meta), columns, padded, pad_values, copy)
 
     async def async_get_data(
         self,
@@ -497,7 +345,7 @@ class Client:
     ) -> TensorDict:
         names = list(meta.fields if fields is None else fields)
         columns = await self._async(ClientCore.fetch, meta, names)
-        return _decode(len(meta), columns, padded, pad_values, copy)
+        return decode(len(meta), columns, padded, pad_values, copy)
 
     def get(
         self,
@@ -524,7 +372,7 @@ class Client:
         task); by default the caller acks after using them (at-least-once).
         """
         window = Window(current_version, max_staleness, measure, on_stale)
-        req = self._get_request(
+        req = get_request(
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         meta, columns = self._sync(ClientCore.get, req)  # one call: get_meta + fetch
@@ -553,7 +401,7 @@ class Client:
         on_stale: str = "keep",
     ) -> Batch:
         window = Window(current_version, max_staleness, measure, on_stale)
-        req = self._get_request(
+        req = get_request(
             partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
         )
         meta, columns = await self._async(ClientCore.get, req)
@@ -572,7 +420,7 @@ class Client:
     ) -> TensorDict:
         """The batch's TensorDict; if building it fails, the lease is released."""
         try:
-            return _decode(len(meta), columns, padded, pad_values, copy)
+            return decode(len(meta), columns, padded, pad_values, copy)
         except BaseException:
             self._release_quietly(meta)
             raise
@@ -698,8 +546,8 @@ class Client:
         every storage unit see (shared, with units on several hosts). ``metadata``: a JSON
         object kept with the checkpoint and returned by the load. ``timeout``: seconds for the
         storage units' writes (None: as long as they take). See docs/checkpoints.md."""
-        msg = _checkpoint_message(SaveCheckpoint, path, timeout, metadata)
-        return self._sync(ClientCore.call, msg, CheckpointReply, _wait(timeout)).summary
+        msg = checkpoint_message(SaveCheckpoint, path, timeout, metadata)
+        return self._sync(ClientCore.call, msg, CheckpointReply, reply_wait(timeout)).summary
 
     async def async_save_checkpoint(
         self,
@@ -708,8 +556,8 @@ class Client:
         metadata: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> CheckpointSummary:
-        msg = _checkpoint_message(SaveCheckpoint, path, timeout, metadata)
-        reply = await self._async(ClientCore.call, msg, CheckpointReply, _wait(timeout))
+        msg = checkpoint_message(SaveCheckpoint, path, timeout, metadata)
+        reply = await self._async(ClientCore.call, msg, CheckpointReply, reply_wait(timeout))
         return reply.summary
 
     def load_checkpoint(
@@ -719,77 +567,15 @@ class Client:
         partitions of the same names are replaced). The storage units may be as many as saved it
         or not (rows are then spread over them). Afterwards every task is served exactly the
         rows it had not acked; nothing of a load that fails is kept."""
-        msg = _checkpoint_message(LoadCheckpoint, path, timeout)
-        return self._sync(ClientCore.call, msg, CheckpointReply, _wait(timeout)).summary
+        msg = checkpoint_message(LoadCheckpoint, path, timeout)
+        return self._sync(ClientCore.call, msg, CheckpointReply, reply_wait(timeout)).summary
 
     async def async_load_checkpoint(
         self, path: str | os.PathLike[str], *, timeout: float | None = None
     ) -> CheckpointSummary:
-        msg = _checkpoint_message(LoadCheckpoint, path, timeout)
-        reply = await self._async(ClientCore.call, msg, CheckpointReply, _wait(timeout))
+        msg = checkpoint_message(LoadCheckpoint, path, timeout)
+        reply = await self._async(ClientCore.call, msg, CheckpointReply, reply_wait(timeout))
         return reply.summary
-
-
-def _partition_message(
-    partition: str,
-    fields: Sequence[str],
-    tasks: Sequence[str] | None,
-    ttl: float | None,
-    admission: str | None,
-    producers: int | None,
-    replicas: int | None = None,
-) -> CreatePartition:
-    return CreatePartition(
-        rid=0,
-        partition=partition,
-        fields=list(fields),
-        tasks=None if tasks is None else list(tasks),
-        ttl=ttl,
-        admission=admission,
-        producers=producers,
-        replicas=replicas,
-    )
-
-
-def _checkpoint_message(
-    kind: type[SaveCheckpoint] | type[LoadCheckpoint],
-    path: str | os.PathLike[str],
-    timeout: float | None,
-    metadata: Mapping[str, Any] | None = None,
-) -> SaveCheckpoint | LoadCheckpoint:
-    where = os.path.abspath(os.fspath(path))
-    if kind is LoadCheckpoint:
-        return LoadCheckpoint(rid=0, path=where, timeout=timeout)
-    raw = b""
-    if metadata is not None:
-        if not isinstance(metadata, Mapping):
-            raise InvalidRequestError(
-                f"checkpoint metadata must be a mapping (a JSON object), got "
-                f"{type(metadata).__name__}"
-            )
-        try:
-            raw = msgspec.json.encode(dict(metadata))
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise InvalidRequestError(
-                f"checkpoint metadata must be JSON values (str, numbers, bools, None, lists, "
-                f"dicts with str keys): {exc}"
-            ) from None
-    return SaveCheckpoint(rid=0, path=where, metadata=raw, timeout=timeout)
-
-
-def _wait(timeout: float | None) -> float | None:
-    """How long the client waits for a checkpoint's reply: the units' time and a margin."""
-    return None if timeout is None else timeout + GET_GRACE
-
-
-def _decode(
-    n: int, columns: dict[str, Column], padded: bool, pad_values: PadValues, copy: bool
-) -> TensorDict:
-    """The TensorDict of fetched columns; ``copy``: private tensors instead of views of the
-    received message or of the storage unit's shared memory (which they then stop pinning)."""
-    if copy:
-        columns = {name: col.clone() for name, col in columns.items()}
-    return to_tensordict(n, columns, padded=padded, pad_values=pad_values)
 
 
 def _release_on(io: LoopThread, core: ClientCore, meta: BatchMeta) -> None:
