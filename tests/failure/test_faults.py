@@ -5,6 +5,7 @@ what is lost is counted, and that the storage bytes come back to zero."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,6 +205,29 @@ def test_a_killed_unit_is_detected_its_rows_counted_lost_and_the_rest_served() -
         c.clear_partition("q")
         _until(lambda: c.stats().storage_bytes == 0, 5.0)  # p's rows were acked by t: freed
         print(f"unit loss detected in {took:.2f}s")
+
+
+def test_a_small_put_to_a_frozen_unit_fails_naming_it_and_the_next_avoids_it() -> None:
+    fast = tqstream.ClientConfig(connect_timeout=2.0, heartbeat_interval=0.2)
+    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, fast) as c:
+        for i in range(2):  # the client's connection to each unit is open
+            c.put(_rows(4 * i), "p")
+        pid = cluster.procs[1 + _proc_of(cluster, c, 1)].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            errors = []
+            for i in range(2):  # small puts go to the units in turn: one to the frozen one
+                try:
+                    c.put(_rows(100 + 4 * i), "p")
+                except tqstream.UnitLostError as exc:
+                    errors.append(str(exc))
+            assert len(errors) == 1
+            assert re.search(r"storage unit 1 at tcp://\S+ did not take a put of 4 rows", errors[0])
+            assert "avoids the unit" in errors[0]
+            for i in range(4):  # the client avoids it now: every put lands on the other unit
+                assert set(c.put(_rows(200 + 4 * i), "p").units) == {0}
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
 
 def test_a_restarted_unit_registers_again_and_takes_new_rows() -> None:

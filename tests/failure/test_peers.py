@@ -99,27 +99,18 @@ def test_uncommitted_put_of_a_client_that_hangs_up_is_rolled_back_at_once(
 def _rolled_back_within(
     client: tqstream.Client, partition: str, base: int, limit: float, pending_seen: bool = True
 ) -> None:
-    st = client.stats(partition).partitions[partition]
-    if not pending_seen:  # gone already, or going
-        deadline = time.monotonic() + limit
-        while st.pending_puts and time.monotonic() < deadline:
-            time.sleep(0.05)
-            st = client.stats(partition).partitions[partition]
-        assert st.pending_puts == 0 and st.rows == 1
-        client.clear_partition(partition)
-        deadline = time.monotonic() + 5
-        while client.stats().storage_bytes != base and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.stats().storage_bytes == base
-        return
-    assert st.pending_puts == 1 and st.rows == 1  # invisible to readers
-    with pytest.raises(tqstream.RequestTimeoutError, match="1 of 2 rows ready; 8 rows still"):
-        client.get_meta(partition, "x", 2, "t", timeout=0)
+    """The uncommitted put is gone within ``limit`` seconds (``pending_seen``: first check it is
+    pending and invisible to readers), then clearing the partition frees every byte."""
+    if pending_seen:
+        st = client.stats(partition).partitions[partition]
+        assert st.pending_puts == 1 and st.rows == 1  # invisible to readers
+        with pytest.raises(tqstream.RequestTimeoutError, match="1 of 2 rows ready; 8 rows still"):
+            client.get_meta(partition, "x", 2, "t", timeout=0)
     deadline = time.monotonic() + limit
     while (
         client.stats(partition).partitions[partition].pending_puts and time.monotonic() < deadline
     ):
-        time.sleep(0.1)
+        time.sleep(0.05)
     st = client.stats(partition).partitions[partition]
     assert st.pending_puts == 0 and st.rows == 1
     client.clear_partition(partition)

@@ -155,16 +155,13 @@ CLIENT_REQUESTS = [
 
 
 @st.composite
-def requests(draw: st.DrawFn) -> Any:
-    cls = draw(st.sampled_from(CLIENT_REQUESTS))
+def requests(draw: st.DrawFn, types: list[Any] = CLIENT_REQUESTS) -> Any:
+    """A request of one of ``types`` whose every field is drawn by :func:`_nasty`."""
+    cls = draw(st.sampled_from(types))
     fields = {f.name: draw(_nasty(f.type)) for f in msgspec.inspect.type_info(cls).fields}
     fields["rid"] = 1
     if cls in (m.GetMeta, m.Acquire) and fields.get("timeout") is None:
         fields["timeout"] = 0.2  # a valid wait parks until data comes: bound it, to get an answer
-    return _build(cls, fields)
-
-
-def _build(cls: Any, fields: dict[str, Any]) -> Any:
     return cls(**fields)  # a Struct's constructor checks no bounds: the server is the one to
 
 
@@ -191,16 +188,8 @@ UNIT_REQUESTS = [
 ]  # fmt: skip
 
 
-@st.composite
-def unit_requests(draw: st.DrawFn) -> Any:
-    cls = draw(st.sampled_from(UNIT_REQUESTS))
-    fields = {f.name: draw(_nasty(f.type)) for f in msgspec.inspect.type_info(cls).fields}
-    fields["rid"] = 1
-    return _build(cls, fields)
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
-@given(msgs=st.lists(unit_requests(), min_size=1, max_size=4))
+@given(msgs=st.lists(requests(UNIT_REQUESTS), min_size=1, max_size=4))
 def test_a_storage_unit_answers_every_extreme_request_and_stays_small(
     cluster: Any, msgs: list[Any]
 ) -> None:

@@ -9,7 +9,14 @@ import pytest
 from test_controller_state import F32, get, new_state, prepare, put
 
 from tqstream.controller.units import UnitTable
-from tqstream.errors import CapacityError, LeaseExpiredError, PlacementRequiredError, UnitLostError
+from tqstream.errors import (
+    CapacityError,
+    InvalidRequestError,
+    LeaseExpiredError,
+    PlacementRequiredError,
+    UnitLostError,
+)
+from tqstream.launch.processes import ProcessCluster
 from tqstream.protocol.messages import Acquire, PreparePut
 
 
@@ -124,3 +131,19 @@ def test_a_gone_peer_gives_back_leases_parked_gets_puts_and_slots() -> None:
     [(handle, slots)] = s.take_effects().replies  # the live parked acquire got the slots
     assert handle is live and len(slots.slot_ids) == 2
     assert s.admission_stats()["adm"]["rejected"] == 2
+
+
+def test_a_stored_put_from_a_lost_unit_is_refused() -> None:
+    s = new_state(2)
+    s.lose_unit(0, 0.0)
+    req = PreparePut(rid=0, partition="p", n_rows=1, schemas={"a": F32}, nbytes=10)
+    with pytest.raises(UnitLostError, match=r"storage unit 0 at tcp://unit0 was declared lost"):
+        s.put_stored(req, 0, 0.0)
+    assert "p" not in s.partitions
+
+
+def test_replicas_out_of_range_are_refused_by_the_state_and_the_launcher() -> None:
+    with pytest.raises(InvalidRequestError, match="replicas must be 1 or 2, got 3"):
+        new_state(1).create_partition("p", ["a"], replicas=3)
+    with pytest.raises(ValueError, match="--replicas must be 1 or 2, got 0"):
+        ProcessCluster(1, replicas=0)

@@ -321,3 +321,15 @@ def test_groups_are_checked_before_anything_changes() -> None:
     with pytest.raises(CheckpointCorruptError, match="unknown members"):
         restore(fresh, snap, 0.0)
     assert fresh.partitions == {}
+
+
+def test_an_admission_that_granted_slots_here_refuses_the_load() -> None:
+    s = new_state(1)
+    s.create_admission("q", "slots", {"max_pending_slots": 4, "max_version_slots": 8})
+    snap = saved(s)
+    fresh = new_state(1)
+    fresh.create_admission("q", "slots", {"max_pending_slots": 4, "max_version_slots": 8})
+    fresh.acquire(Acquire(rid=0, name="q", n=1), 0.0)
+    with pytest.raises(CheckpointError, match=r"admission 'q' of the checkpoint exists in this "):
+        restore(fresh, snap, 0.0)
+    assert fresh.admission_stats()["q"]["running"] == 1  # unchanged

@@ -270,14 +270,7 @@ class Checkpoints:
                 f"partitions first",
                 partitions=sorted(full),
             )
-        for entry in snap.admissions:
-            existing = s.admissions.get(entry.name)
-            if existing is not None and existing[0].state()["granted"]:
-                raise CheckpointError(
-                    f"cannot load the checkpoint at {path}: its admission {entry.name!r} exists "
-                    f"in this cluster and has granted slots; load before producers acquire any",
-                    name=entry.name,
-                )
+        snapshot.check_admissions(s, snap, f"cannot load the checkpoint at {path}: ")
         return snapshot.replaceable(s, snap)
 
     async def _unload(self, snap: ControllerSnapshot, fence: int) -> None:

@@ -22,15 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.admission import Admission
 from tqstream.controller.partition import Partition, Row
+from tqstream.controller.peers import peer_of
 from tqstream.controller.records import Effects, Lease, Parked, PendingPut
 from tqstream.controller.units import UnitTable
 from tqstream.protocol.messages import Acquire, PreparePut
-
-
-def peer_of(handle: Any) -> Any:
-    """The peer a request handle (the service's responder) came from; None for handles without
-    one (requests made in unit tests, or by the state itself)."""
-    return getattr(handle, "peer", None)
 
 
 class Faults:

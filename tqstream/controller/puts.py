@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.partition import Partition, Row
+from tqstream.controller.peers import peer_of
 from tqstream.controller.records import Effects, PendingPut
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
@@ -166,7 +167,7 @@ class Puts:
                 self._charge(r, per_row)
         put = self._add_pending(
             req.partition, rows, mask, list(req.schemas), segments, True, per_row, now,
-            getattr(handle, "peer", None),
+            peer_of(handle),
             timed=pinned is None,  # a stored put commits at once: no put_timeout to watch
         )  # fmt: skip
         put.rejected = req.rejected  # an aborted put that is retried must not count them twice

@@ -321,6 +321,19 @@ Replaceable = Mapping[str, tuple[Partition, int]]
 id then: a load replaces them if nobody put to them since."""
 
 
+def check_admissions(state: ControllerState, snap: ControllerSnapshot, where: str) -> None:
+    """Refuse a load whose admissions exist here with granted slots (``where``: the error's
+    opening, e.g. the path)."""
+    for entry in snap.admissions:
+        existing = state.admissions.get(entry.name)
+        if existing is not None and existing[0].state()["granted"]:
+            raise CheckpointError(
+                f"{where}admission {entry.name!r} of the checkpoint exists in this cluster and "
+                f"has granted slots; load the checkpoint before producers acquire any",
+                name=entry.name,
+            )
+
+
 def replaceable(
     state: ControllerState, snap: ControllerSnapshot
 ) -> dict[str, tuple[Partition, int]]:
@@ -377,14 +390,7 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
             f"kept: load it again",
             units=gone,
         )
-    for entry in ready.snap.admissions:
-        existing = state.admissions.get(entry.name)
-        if existing is not None and existing[0].state()["granted"]:
-            raise CheckpointError(
-                f"admission {entry.name!r} of the checkpoint exists in this cluster and has "
-                f"granted slots; load the checkpoint before producers acquire any",
-                name=entry.name,
-            )
+    check_admissions(state, ready.snap, "")
     effects = Effects()
     for p, ttls in ready.partitions:
         if p.name in state.partitions:  # empty since before the load: nothing of it on the units

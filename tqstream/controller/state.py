@@ -28,6 +28,7 @@ from tqstream.controller.deadlines import Deadlines
 from tqstream.controller.faults import Faults
 from tqstream.controller.flow import FlowControl
 from tqstream.controller.partition import Partition, Row
+from tqstream.controller.peers import peer_of
 from tqstream.controller.puts import Puts
 from tqstream.controller.records import (
     COMPACT_MIN,
@@ -240,7 +241,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             now + (req.lease_timeout or self.lease_timeout),
             req.current_version,
             req.measure,
-            getattr(parked.handle, "peer", None),
+            peer_of(parked.handle),
         )
         self.leases[lease_id] = lease
         self._at(lease.deadline, "lease", lease_id)
