@@ -157,9 +157,7 @@ class ClientCore:
         config: ClientConfig,
         owns_ctx: bool,
         keys: Keys | None = None,
-        session: bytes = b"",
     ) -> None:
-        self.session = session
         self.ctx = ctx
         self._owns_ctx = owns_ctx
         self.config = config
@@ -198,7 +196,7 @@ class ClientCore:
             if own is not None:
                 own.destroy(linger=0)
             raise
-        return cls(own or ctx, conn, config, own is not None, keys, session)  # type: ignore[arg-type]
+        return cls(own or ctx, conn, config, own is not None, keys)  # type: ignore[arg-type]
 
     def _addresses(self, welcome: Welcome) -> list[str]:
         """The units' addresses; their inproc ones when we reached the controller in-process."""
@@ -487,7 +485,7 @@ class ClientCore:
         by_unit = _by_unit(meta.units, range(len(meta.row_ids)))
         jobs = [self._fetch_from(meta, u, pos, fields) for u, pos in by_unit.items()]
         pieces = [piece for pieces in await _all(jobs) for piece in pieces]
-        if len(pieces) == 1 and pieces[0][0] == list(range(len(meta.row_ids))):
+        if len(pieces) == 1:  # one piece holds every row, in batch order
             return pieces[0][1]
         order = [i for pos, _ in pieces for i in pos]
         inverse = torch.empty(len(order), dtype=torch.int64)
