@@ -37,6 +37,9 @@ class ControllerConfig:
     keys: str = ""
     """Path of the cluster's CURVE key file (``tqstream-launch --keys``): TCP peers must hold its
     client keypair; empty: no authentication, any peer that reaches the port is served."""
+    metrics_port: int = 0
+    """Port of the Prometheus metrics endpoint (``http://HOST:PORT/metrics`` on the controller's
+    host); 0: no endpoint (docs/observability.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
