@@ -110,6 +110,7 @@ class TaskStats(msgspec.Struct, frozen=True):
     stale_dropped: int = 0
     lag: dict[int, int] = {}  # version lag at consumption (ack) -> rows
     lost: int = 0  # rows lost with a storage unit before this task acked them
+    consumed: int = 0  # rows acked, ever (``acked`` counts only those still held)
 
 
 class PartitionStats(msgspec.Struct, frozen=True):

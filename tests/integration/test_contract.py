@@ -102,7 +102,7 @@ def test_tasks_are_independent_and_ack_consumes(client: Client, partition: str) 
     with pytest.raises(tqstream.RequestTimeoutError, match="already consumed by 'actor'"):
         client.get_meta(partition, ["rewards"], 1, "actor", timeout=0)
     st = client.stats(partition).partitions[partition]
-    assert st.tasks["actor"] == tqstream.TaskStats(available=0, leased=0, acked=4)
+    assert st.tasks["actor"] == tqstream.TaskStats(available=0, leased=0, acked=4, consumed=4)
     assert st.tasks["critic"] == tqstream.TaskStats(available=0, leased=4, acked=0)
 
 

@@ -216,7 +216,9 @@ def test_window_keep_selects_fresh_rows_and_leaves_stale_ones(
         f"outside the staleness window (head version < 2 = current_version 3 - max_staleness 1)"
     )
     st = stats(client, partition)
-    assert st.tasks["t"] == tqstream.TaskStats(available=2, leased=0, acked=3, lag={0: 1, 1: 1})
+    assert st.tasks["t"] == tqstream.TaskStats(
+        available=2, leased=0, acked=3, lag={0: 1, 1: 1}, consumed=3
+    )
     assert (st.rows, st.stale_dropped) == (5, 0)
     # kept: a reader with an older version (or another task) still gets them
     old = client.get(partition, "x", 2, "t", current_version=1, max_staleness=1)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import multiprocessing
 import os
 import random
+import re
 import signal
 import socket
 import time
@@ -201,7 +203,11 @@ def test_concurrent_requests_are_matched_and_parked_ones_are_passed() -> None:
     asyncio.run(main())
 
 
-def test_errors_travel_as_their_class() -> None:
+def test_errors_travel_as_their_class(caplog: pytest.LogCaptureFixture) -> None:
+    """A peer's mistake travels as its class (logged at DEBUG); a handler's own bug reaches the
+    peer as InternalError and is logged at ERROR with the operation and the request id the peer
+    sees in its message, with the traceback."""
+
     async def main() -> None:
         async with serving() as (server, _, ctx):
             conn = await connect(ctx, server.address)
@@ -213,11 +219,21 @@ def test_errors_travel_as_their_class() -> None:
             with pytest.raises(tqstream.SchemaError, match="bad schema") as info2:
                 await conn.request(CreatePartition(rid=0, partition="p"), timeout=5)
             assert info2.value.details == {"field": "x"}
-            with pytest.raises(tqstream.InternalError, match=r"clear_partition .*ValueError: boom"):
+            with pytest.raises(
+                tqstream.InternalError, match=r"clear_partition .*ValueError: boom"
+            ) as info3:
                 await conn.request(ClearPartition(rid=0, partition="p"), timeout=5)
+            rid = int(re.search(r"\(request (\d+)\)", str(info3.value)).group(1))  # type: ignore
             await still_serving(ctx, server.address)
             conn.close()
+            bugs = [r for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(bugs) == 1 and bugs[0].name == "tqstream.server"
+            assert f"failed on clear_partition (request {rid})" in bugs[0].getMessage()
+            assert bugs[0].exc_info is not None and "boom" in str(bugs[0].exc_info[1])
+            mistakes = [r for r in caplog.records if r.levelno == logging.DEBUG]
+            assert any("UnknownKeyError" in r.getMessage() for r in mistakes)
 
+    caplog.set_level(logging.DEBUG, logger="tqstream")
     asyncio.run(main())
 
 

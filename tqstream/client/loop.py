@@ -8,16 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+_log = logging.getLogger("tqstream.loop")
+
+
+def log_loop_errors(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """asyncio's report of an error nobody handled (an exception never retrieved, a failing
+    callback), through the ``tqstream`` loggers instead of asyncio's."""
+    _log.error("%s", context.get("message", "error on the event loop"),
+               exc_info=context.get("exception"))  # fmt: skip
+
 
 class LoopThread:
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(log_loop_errors)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 

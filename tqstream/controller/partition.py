@@ -71,11 +71,12 @@ class Group:
 
 
 class TaskState:
-    __slots__ = ("acked", "lag", "leased", "lost", "stale_dropped")
+    __slots__ = ("acked", "consumed", "lag", "leased", "lost", "stale_dropped")
 
     def __init__(self) -> None:
         self.leased: dict[int, int] = {}  # row -> lease id
         self.acked: set[int] = set()
+        self.consumed = 0  # rows acked, ever (acked rows leave ``acked`` once freed)
         self.stale_dropped = 0
         self.lost = 0  # rows lost with a storage unit before this task acked them
         self.lag: dict[int, int] = {}  # version lag at ack -> rows
@@ -397,6 +398,7 @@ class Partition:
             if t.leased.pop(rid, None) is not None:
                 t.acked.add(rid)
                 n += 1
+        t.consumed += n
         return n
 
     def release(self, task: str, rows: Iterable[int]) -> int:
@@ -557,6 +559,7 @@ class Partition:
                 stale_dropped=t.stale_dropped,
                 lag=dict(sorted(t.lag.items())),
                 lost=t.lost,
+                consumed=t.consumed,
             )
         return out
 

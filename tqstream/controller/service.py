@@ -16,7 +16,8 @@ requests, leases, uncommitted puts, admission slots) is given back at once.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -73,7 +74,12 @@ from tqstream.protocol.server import Responder, Server
 from tqstream.protocol.transport import error_reply, shared_context
 from tqstream.types import Stats, UnitStats
 
+if TYPE_CHECKING:
+    from tqstream.controller.metrics import Metrics, Sample
+
 __all__ = ["ControllerService"]
+
+_log = logging.getLogger("tqstream.controller")
 
 
 class _StoredResults:
@@ -123,19 +129,32 @@ class ControllerService:
             put_timeout=config.put_timeout,
             replicas=config.replicas,
         )
-        self.server = Server(
-            self.ctx,
-            config.host,
-            config.port,
-            self.handle,
-            name="controller",
-            max_message_bytes=config.max_message_bytes,
-            units=lambda: list(self.state.units.addresses),
-            inproc_units=lambda: list(self.inproc_units),
-            inproc=inproc,
-            on_disconnect=self._peer_gone,
-            keys=self.keys,
-        )
+        self.metrics: Metrics | None = None
+        if config.metrics_port:  # first: the socket below would stay bound if this failed
+            from tqstream.controller.metrics import Metrics  # prometheus-client: only if asked
+
+            timeout = config.storage_timeout + 5.0  # a scrape asks every unit, as stats() does
+            self.metrics = Metrics(config.host, config.metrics_port, self._sample, timeout)
+        try:
+            self.server = Server(
+                self.ctx,
+                config.host,
+                config.port,
+                self.handle,
+                name="controller",
+                max_message_bytes=config.max_message_bytes,
+                units=lambda: list(self.state.units.addresses),
+                inproc_units=lambda: list(self.inproc_units),
+                inproc=inproc,
+                on_disconnect=self._peer_gone,
+                keys=self.keys,
+            )
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
+        if self.metrics is not None:
+            self.server.observe = self.metrics.observe
         self.units: list[Connection] = []
         self.inproc_units: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -148,7 +167,14 @@ class ControllerService:
     def address(self) -> str:
         return self.server.address
 
+    @property
+    def metrics_address(self) -> str:
+        """``http://HOST:PORT/metrics``, or "" without a metrics endpoint."""
+        return self.metrics.address if self.metrics is not None else ""
+
     async def serve(self) -> None:
+        if self.metrics is not None:
+            self.metrics.loop = asyncio.get_running_loop()
         try:
             await self.server.serve()
         finally:
@@ -163,6 +189,9 @@ class ControllerService:
         for conn in self.units:
             conn.close()
         self.units.clear()
+        if self.metrics is not None:
+            metrics, self.metrics = self.metrics, None
+            await metrics.aclose()
 
     # --- dispatch ---
     def handle(self, msg: Any, frames: list[Any], responder: Responder) -> Any:
@@ -289,9 +318,13 @@ class ControllerService:
     async def _order(self, unit: int, req: Any) -> None:
         try:
             await self.units[unit].request(req, timeout=self.config.storage_timeout)
-        except TQStreamError:
+        except TQStreamError as exc:
             self.drop_failures += 1
             if self.state.units.alive[unit]:  # else the unit died since: nothing to free there
+                _log.warning(
+                    "storage unit %d at %s did not free storage (%s): %s",
+                    unit, self.state.units.addresses[unit], type(req).__name__, exc,
+                )  # fmt: skip
                 raise
 
     def _drain(self, rid: int, effects: Effects, count: int) -> Any:
@@ -335,10 +368,25 @@ class ControllerService:
         self._event(lambda now: self.state.drop_peer(peer, now))
 
     def _unit_down(self, unit: int) -> None:
+        before = self._lost_rows()
         self._event(lambda now: self.state.lose_unit(unit, now))
+        lost = self._lost_rows() - before
+        _log.log(
+            logging.WARNING if lost else logging.INFO,
+            "storage unit %d at %s is lost (its connection dropped); %d rows had no other copy "
+            "and are counted lost; new rows go to the other units",
+            unit, self.state.units.addresses[unit], lost,
+        )  # fmt: skip
 
     def _unit_up(self, unit: int) -> None:
         self._event(lambda now: self.state.revive_unit(unit))
+        _log.warning(
+            "storage unit %d at %s is reachable again; it serves again, empty",
+            unit, self.state.units.addresses[unit],
+        )  # fmt: skip
+
+    def _lost_rows(self) -> int:
+        return sum(p.lost for p in self.state.partitions.values())
 
     # --- time ---
     def _rearm(self) -> None:
@@ -358,6 +406,14 @@ class ControllerService:
         self._apply(self.state.take_effects())
         self._rearm()
 
+    async def _sample(self) -> Sample:
+        """What a metrics scrape exports (docs/observability.md)."""
+        from tqstream.controller.metrics import Sample
+
+        assert self.metrics is not None
+        reply = await self._stats(0, None)
+        return Sample(reply.stats, self.state, self.server, self.drop_failures, self.metrics)
+
     # --- units and stats ---
     async def _register(self, rid: int, address: str, max_bytes: int, inproc: str) -> Registered:
         if address in self.state.units.addresses:  # a restarted unit, or a repeated register
@@ -376,6 +432,7 @@ class ControllerService:
             return Registered(rid=rid, unit=self.state.add_unit(address, max_bytes))
         unit = self.state.add_unit(address, max_bytes)
         assert unit == len(self.units)
+        _log.info("storage unit %d registered at %s", unit, address)
         conn.on_down = lambda: self._unit_down(unit)
         conn.on_up = lambda: self._unit_up(unit)
         self.units.append(conn)

@@ -81,6 +81,7 @@ class TaskEntry(msgspec.Struct, frozen=True):
     stale_dropped: int = 0
     lag: dict[int, int] = {}
     lost: int = 0
+    consumed: int = 0
 
 
 class TtlEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -224,7 +225,9 @@ def _partition(
         if members:  # a group whose every member is still being put is not in the snapshot
             groups.append(GroupEntry(name, g.size, sorted(g.fields), members))
     tasks = [
-        TaskEntry(name, sorted(t.acked & committed), t.stale_dropped, dict(t.lag), t.lost)
+        TaskEntry(
+            name, sorted(t.acked & committed), t.stale_dropped, dict(t.lag), t.lost, t.consumed
+        )
         for name, t in p.tasks.items()
     ]
     return PartitionEntry(
@@ -469,7 +472,7 @@ def _build(
             raise _corrupt(f"task {te.name!r} of partition {e.name!r} acked unknown rows")
         task = p.tasks[te.name] = TaskState()
         task.acked, task.stale_dropped, task.lag = set(te.acked), te.stale_dropped, dict(te.lag)
-        task.lost = te.lost
+        task.lost, task.consumed = te.lost, te.consumed
     if not all(rid in p.rows for ttl in e.ttl_left for rid in ttl.rows):
         raise _corrupt(f"partition {e.name!r} has a ttl for unknown rows")
     p.next_row, p.seq, p.born = e.next_row, e.seq, e.born

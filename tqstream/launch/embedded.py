@@ -121,6 +121,7 @@ def init(
     storage_max_bytes: int | None = None,
     replicas: int | None = None,
     keys: str | None = None,
+    metrics_port: int | None = None,
     client_config: ClientConfig | None = None,
 ) -> Any:
     """Start an embedded controller and ``storage_units`` storage units; return a client.
@@ -130,8 +131,9 @@ def init(
     ``ControllerConfig.replicas``). ``keys``: path of a CURVE key file, made if missing; the
     servers' TCP address (``client.address``, for other processes) then serves only peers holding
     it, while this client reaches them in-process, where no handshake applies. Closing the client
-    stops them. Settings left as None come from ``TQSTREAM_*`` environment variables or the
-    defaults in :mod:`tqstream.config`.
+    stops them. ``metrics_port``: serve Prometheus metrics at ``http://127.0.0.1:PORT/metrics``
+    (docs/observability.md). Settings left as None come from ``TQSTREAM_*`` environment
+    variables or the defaults in :mod:`tqstream.config`.
     """
     from tqstream.client.client import Client
 
@@ -144,6 +146,7 @@ def init(
         host="127.0.0.1",
         port=0,
         keys=keys,
+        metrics_port=metrics_port,
     )
     if cc.keys:
         ensure_keys(cc.keys)  # made here, once: the servers only load it

@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 import ipaddress
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -31,11 +32,14 @@ import time
 from typing import Any
 
 from tqstream.config import ControllerConfig, StorageConfig, from_env
+from tqstream.launch.worker import LOG_FORMAT
 from tqstream.protocol.auth import ensure_keys
 
 __all__ = ["ProcessCluster", "main"]
 
 READY_TIMEOUT = 60.0
+
+_log = logging.getLogger("tqstream.launch")
 
 
 def is_loopback(host: str) -> bool:
@@ -68,6 +72,8 @@ class ProcessCluster:
         replicas: int | None = None,
         keys: str | None = None,
         insecure: bool = False,
+        metrics_port: int | None = None,
+        log_level: str = "INFO",
     ) -> None:
         if storage_units < 1:
             raise ValueError(f"--storage-units must be at least 1, got {storage_units}")
@@ -87,7 +93,7 @@ class ProcessCluster:
             ensure_keys(self.keys)  # before any child: they all load the same file
         self.procs: list[subprocess.Popen[str]] = []
         self.restarts = 0
-        extra = ["--keys", self.keys]
+        extra = ["--keys", self.keys, "--log-level", log_level]
         for flag, value in (
             ("--lease-timeout", lease_timeout),
             ("--put-timeout", put_timeout),
@@ -97,10 +103,16 @@ class ProcessCluster:
                 extra += [flag, str(value)]
         try:
             ctrl_args = [] if replicas is None else ["--replicas", str(replicas)]
+            if metrics_port:
+                ctrl_args += ["--metrics-port", str(metrics_port)]
             controller = self._spawn(
                 ["controller", "--host", host, "--port", str(port), *extra, *ctrl_args]
             )
             self.address = self._ready(controller, "controller")
+            self.metrics_address = (
+                f"http://{host}:{metrics_port}/metrics" if metrics_port else ""
+            )  # fmt: skip
+            """The controller's Prometheus endpoint ("": none)."""
             quota = [] if storage_max_bytes is None else ["--max-bytes", str(storage_max_bytes)]
             self._unit_args = ["--host", host, "--controller", self.address, *extra, *quota]
             units = [
@@ -257,6 +269,13 @@ def _parser() -> argparse.ArgumentParser:
         help="Serve a --host other than loopback without keys: anyone who reaches the port can "
         "read, write and clear every partition.",
     )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="Level of the 'tqstream' log lines every process writes to stderr (default: INFO).",
+    )
     return p
 
 
@@ -266,19 +285,15 @@ def _restart(cluster: ProcessCluster, units: list[int]) -> bool:
         try:
             address = cluster.restart_unit(i)
         except (RuntimeError, OSError) as exc:
-            print(f"tqstream-launch: storage unit {i} cannot restart: {exc}", file=sys.stderr)
+            _log.error("storage unit %d cannot restart: %s", i, exc)
             return False
-        print(
-            f"tqstream-launch: storage unit {i} exited with code {exit_code}; restarted at "
-            f"{address}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _log.warning("storage unit %d exited with code %s; restarted at %s", i, exit_code, address)
     return True
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     stop = threading.Event()
     received: list[int] = []
 
@@ -300,11 +315,15 @@ def main(argv: list[str] | None = None) -> int:
             replicas=args.replicas,
             keys=args.keys,
             insecure=args.insecure,
+            metrics_port=args.metrics_port or None,
+            log_level=args.log_level,
         )
     except (RuntimeError, ValueError, OSError) as exc:  # KeyFileError is a ValueError
-        print(f"tqstream-launch: {exc}", file=sys.stderr)
+        _log.error("%s", exc)
         return 1
     keys = f"clients set TQSTREAM_KEYS={cluster.keys}; " if cluster.keys else ""
+    if cluster.metrics_address:
+        keys += f"metrics at {cluster.metrics_address}; "
     print(
         f"tqstream ready at {cluster.address} (controller + {args.storage_units} storage "
         f"units; {keys}stop with Ctrl-C)",
@@ -321,10 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             dead = cluster.dead_child()
             if dead is not None:
-                print(
-                    f"tqstream-launch: child process {dead.pid} exited with code "
-                    f"{dead.returncode}; shutting down",
-                    file=sys.stderr,
+                _log.error(
+                    "child process %d exited with code %s; shutting down", dead.pid, dead.returncode
                 )
                 code = 1
                 break

@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
 from typing import Any
 
+from tqstream.client.loop import log_loop_errors
 from tqstream.config import ControllerConfig, StorageConfig, from_env
+from tqstream.errors import TQStreamError
+
+_log = logging.getLogger("tqstream")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 
 
 async def _run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(log_loop_errors)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -46,6 +53,7 @@ async def _run(args: argparse.Namespace) -> None:
                 max_message_bytes=args.max_message_bytes,
                 replicas=args.replicas,
                 keys=args.keys,
+                metrics_port=args.metrics_port,
             )
         )
         serving = loop.create_task(service.serve(), name="tqstream-controller")
@@ -87,9 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-bytes", type=int, default=None)
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--keys", default=None)
+    p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--watch-stdin", action="store_true")
+    p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    asyncio.run(_run(args))
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    try:
+        asyncio.run(_run(args))
+    except (OSError, ValueError, TQStreamError) as exc:  # cannot bind, bad keys, no controller
+        _log.error("tqstream %s cannot start: %s", args.role, exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

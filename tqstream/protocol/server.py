@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -26,7 +28,12 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from tqstream.errors import InternalError, MalformedMessageError, MessageTooLargeError
+from tqstream.errors import (
+    InternalError,
+    MalformedMessageError,
+    MessageTooLargeError,
+    TQStreamError,
+)
 from tqstream.protocol import auth
 from tqstream.protocol.auth import Keys
 from tqstream.protocol.messages import PROTOCOL_VERSION, Hello, Welcome, decode_request, encode
@@ -46,6 +53,8 @@ from tqstream.protocol.transport import (
 
 __all__ = ["Handler", "HandlerResult", "Responder", "Server"]
 
+_log = logging.getLogger("tqstream.server")
+
 HandlerResult = Any | tuple[Any, Sequence[Any]] | Awaitable[Any] | None
 Handler = Callable[[Any, list[zmq.Frame], "Responder"], HandlerResult]
 
@@ -55,11 +64,12 @@ class Responder:
     answers later (a parked request); it stays valid until the server closes, after which answers
     are dropped (the peer's connection fails on its own). Answering twice is a bug and raises."""
 
-    __slots__ = ("_identity", "_server", "answered", "op", "peer", "rid")
+    __slots__ = ("_identity", "_server", "answered", "op", "peer", "rid", "started")
 
     def __init__(self, server: Server, identity: bytes, rid: int, op: str) -> None:
         self._server, self._identity, self.rid, self.op = server, identity, rid, op
         self.answered = False
+        self.started = time.perf_counter() if server.observe is not None else 0.0
         self.peer = server._sessions.get(identity, identity)
         """The session the request came from (what ``on_disconnect`` names once it is gone)."""
 
@@ -70,6 +80,8 @@ class Responder:
             msg = msgspec.structs.replace(msg, rid=self.rid)
         self._server._send(self._identity, msg, buffers)
         self.answered = True
+        if self._server.observe is not None:
+            self._server.observe(self.op, self.started, msg)
 
     def fail(self, exc: BaseException) -> None:
         """Answer with ``exc`` as an ``ErrorReply`` (see :func:`error_reply`)."""
@@ -146,6 +158,8 @@ class Server:
         self._fd_peers: dict[int, set[bytes]] = {}
         self._sessions: dict[bytes, bytes] = {}  # connection -> the session its Hello named
         self._members: dict[bytes, int] = {}  # session -> its connections not yet dropped
+        self.observe: Callable[[str, float, Any], None] | None = None
+        """Called with (operation, perf_counter at arrival, reply) after each answer (metrics)."""
         self._monitor: zmq.Socket[Any] | None = None
         if on_disconnect is not None:
             endpoint = f"inproc://tqstream-peers-{next(_ENDPOINTS)}"
@@ -201,6 +215,11 @@ class Server:
         if self._keys is not None:
             auth.release(self._ctx, self._keys)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def sessions(self) -> int:
+        """Peers (sessions, or connections that named none) with a TCP connection up."""
+        return len({self._sessions.get(i, i) for i, fd in self._peer_fd.items() if fd >= 0})
 
     # --- peers ---
     def _track(self, identity: bytes, frame: zmq.Frame) -> None:
@@ -348,6 +367,18 @@ class Server:
         if responder.answered:
             self._fatal(exc)
             return
+        if isinstance(exc, TQStreamError):  # the peer's mistake or a fault it is told about
+            _log.debug(
+                "%s server: %s (request %d) from peer %s: %s: %s",
+                self.name, responder.op, responder.rid, _short(responder.peer),
+                type(exc).__name__, exc,
+            )  # fmt: skip
+        else:
+            _log.error(
+                "the %s server failed on %s (request %d) from peer %s; the peer gets an "
+                "InternalError",
+                self.name, responder.op, responder.rid, _short(responder.peer), exc_info=exc,
+            )  # fmt: skip
         try:
             responder.fail(exc)
         except Exception as bug:
@@ -355,6 +386,7 @@ class Server:
 
     def _fatal(self, exc: BaseException) -> None:
         if self._failure is None:
+            _log.error("the %s server at %s stops: %r", self.name, self.address, exc, exc_info=exc)
             self._failure = exc
         if self._done is not None and not self._done.done():
             self._done.set_result(None)
@@ -370,3 +402,8 @@ class Server:
         # (inside _drain, its loop looks again anyway)
         if self._loop is not None and not self._draining and _events(self._sock) & POLLIN:
             self._loop.call_soon(self._drain)
+
+
+def _short(peer: bytes) -> str:
+    """A peer's identity or session, short enough for a log line."""
+    return peer.hex()[:12]
