@@ -15,10 +15,13 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -438,13 +441,16 @@ class TQStream(TaskSystem):
         shared_memory: str,
         replicas: int = 1,
         keys: bool = False,
+        metrics: bool = False,
     ) -> None:
         self.name = name
+        self.metrics = metrics
         self.deployment = deployment
         self.shared_memory = shared_memory
         self.replicas = replicas
         self.keys = keys
         self.mode = f"{deployment}, shared_memory={shared_memory}" + (", CURVE" if keys else "")
+        self.mode += ", metrics" if metrics else ""
         self.partition = ""
         where = (
             "embedded: controller + 1 storage unit on the benchmark process's loop thread, reached "
@@ -464,6 +470,10 @@ class TQStream(TaskSystem):
         )
         if keys:
             where += "; every TCP socket authenticated and encrypted with CURVE (--keys)"
+        if metrics:
+            where += (
+                "; the controller serves Prometheus metrics (--metrics-port), scraped every 1 s"
+            )
         self.note = (
             f"tqstream {where}, ClientConfig(shared_memory={shared_memory!r}); put, get with a "
             f"consumer task (lease + fetch), ack; the partition registers the task, so the ack "
@@ -478,15 +488,22 @@ class TQStream(TaskSystem):
             self._keydir = tempfile.mkdtemp(prefix="tqstream-bench-keys-")
             keys = os.path.join(self._keydir, "cluster.keys")
         config = tqstream.ClientConfig(shared_memory=self.shared_memory, keys=keys)
+        port = _free_port() if self.metrics else None
         if self.deployment == "embedded":
-            self.client = tqstream.init(storage_units=1, client_config=config)
+            self.client = tqstream.init(storage_units=1, client_config=config, metrics_port=port)
         else:
             self.cluster = tqstream.ProcessCluster(
-                storage_units=self.replicas, replicas=self.replicas, keys=keys
+                storage_units=self.replicas, replicas=self.replicas, keys=keys, metrics_port=port
             )
             self.client = tqstream.connect(self.cluster.address, config=config)
+        if port is not None:
+            self._scraping = threading.Event()
+            url = f"http://127.0.0.1:{port}/metrics"
+            threading.Thread(target=_scrape, args=(url, self._scraping), daemon=True).start()
 
     def close(self) -> None:
+        if hasattr(self, "_scraping"):
+            self._scraping.set()
         if hasattr(self, "client"):
             self.client.close()
         if hasattr(self, "cluster"):
@@ -664,6 +681,22 @@ class TransferQueue(TaskSystem):
         return int(status.reshape(status.shape[0], -1).all(dim=1).sum())
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(url: str, stop: threading.Event, every: float = 1.0) -> None:
+    """What a Prometheus server does, more often than usual (15 s is the default)."""
+    while not stop.wait(every):
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                reply.read()
+        except OSError:
+            return  # the cluster is closing
+
+
 # --- registry -------------------------------------------------------------------------------------
 SYSTEMS = (
     "tqstream-embedded",
@@ -672,6 +705,9 @@ SYSTEMS = (
     "tqstream-replicas",
     "tqstream-procs-tcp-curve",
     "tqstream-procs-shm-curve",
+    "tqstream-embedded-metrics",
+    "tqstream-procs-tcp-metrics",
+    "tqstream-procs-shm-metrics",
     "memcpy",
     "zmq-ipc",
     "zmq-tcp",
@@ -680,9 +716,15 @@ SYSTEMS = (
     "ray-actor-queue",
     "transferqueue",
 )
-OPT_IN = ("tqstream-procs-tcp-curve", "tqstream-procs-shm-curve")
+OPT_IN = (
+    "tqstream-procs-tcp-curve",
+    "tqstream-procs-shm-curve",
+    "tqstream-embedded-metrics",
+    "tqstream-procs-tcp-metrics",
+    "tqstream-procs-shm-metrics",
+)
 """Systems run only when named (``--bench-systems``, ``interleave --systems``): what CURVE keys
-cost, next to the same systems without them."""
+and the metrics endpoint cost, next to the same systems without them."""
 
 
 def make_system(name: str) -> System:
@@ -698,6 +740,10 @@ def make_system(name: str) -> System:
         return TQStream(name, "procs", "auto", keys=True)
     if name == "tqstream-procs-tcp-curve":
         return TQStream(name, "procs", "off", keys=True)
+    if name.endswith("-metrics"):
+        base = make_system(name.removesuffix("-metrics"))
+        assert isinstance(base, TQStream)
+        return TQStream(name, base.deployment, base.shared_memory, metrics=True)
     if name == "memcpy":
         return Memcpy()
     if name in ("zmq-ipc", "zmq-tcp"):

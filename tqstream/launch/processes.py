@@ -57,7 +57,9 @@ class ProcessCluster:
 
     ``keys``: path of the cluster's CURVE key file, made if missing (None: ``TQSTREAM_KEYS``, if
     set); clients pass the same path. A ``host`` other than loopback refuses to start without keys
-    unless ``insecure``."""
+    unless ``insecure``. ``metrics_port``: the controller serves Prometheus metrics there
+    (``metrics_address``). ``log_level``: of the children's ``tqstream`` log lines on stderr
+    (``tqstream-launch`` uses INFO)."""
 
     def __init__(
         self,
@@ -73,7 +75,7 @@ class ProcessCluster:
         keys: str | None = None,
         insecure: bool = False,
         metrics_port: int | None = None,
-        log_level: str = "INFO",
+        log_level: str = "WARNING",
     ) -> None:
         if storage_units < 1:
             raise ValueError(f"--storage-units must be at least 1, got {storage_units}")
