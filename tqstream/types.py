@@ -169,7 +169,8 @@ class Stats(msgspec.Struct, frozen=True):
                 lag = ", ".join(f"{k}: {n}" for k, n in sorted(t.lag.items())) or "-"
                 lines.append(
                     f"  task {task!r}{registered}: available {t.available}, leased {t.leased}, "
-                    f"acked {t.acked}, stale-dropped {t.stale_dropped}; version lag -> rows {lag}"
+                    f"acked {t.acked} (consumed {t.consumed} in all), stale-dropped "
+                    f"{t.stale_dropped}; version lag -> rows {lag}"
                 )
         for i, u in enumerate(self.units):
             quota = _size(u.max_bytes) if u.max_bytes else "unlimited"
