@@ -90,6 +90,7 @@ class _Served:
         try:
             self.service = self.io.run(self._start(build, register))
         except BaseException:
+            self._stopped = True  # what ends now is no failure to report
             self.io.run(self._close())
             self.io.stop()
             raise
