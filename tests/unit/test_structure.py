@@ -89,6 +89,16 @@ def test_the_reference_pipeline_is_at_the_edge() -> None:
             assert not any(i.startswith("tqstream.reference") for i in imports), name
 
 
+def test_only_the_ray_deployment_imports_ray() -> None:
+    """Ray is an optional extra: only ``tqstream.ray`` imports it, and nothing else in the tree
+    imports ``tqstream.ray``."""
+    for name, imports in MODULES.items():
+        if name.startswith("tqstream.ray"):
+            continue
+        ray = {i for i in imports if i.split(".")[0] == "ray" or i.startswith("tqstream.ray")}
+        assert not ray, f"{name} imports {ray}"
+
+
 def _cycles() -> list[list[str]]:
     """Import cycles among tqstream's modules (a module importing a package counts as importing
     its ``__init__``; imports under TYPE_CHECKING count too)."""
