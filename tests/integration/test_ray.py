@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
@@ -106,7 +108,11 @@ class Consumer:
 
 def test_producers_and_consumers_on_different_nodes_get_every_row_once(nodes: list[str]) -> None:
     head, a, b = nodes
-    with tqstream.ray.launch(name="flow") as cluster, cluster.connect() as client:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    launch = tqstream.ray.launch(name="flow", metrics_port=port)
+    with launch as cluster, cluster.connect() as client:
         assert sorted(ray.get([u.node_id.remote() for u in cluster.units])) == sorted(nodes)
         assert ray.get(cluster.controller.node_id.remote()) == head
         assert len(set(cluster.unit_addresses)) == 3
@@ -130,6 +136,19 @@ def test_producers_and_consumers_on_different_nodes_get_every_row_once(nodes: li
         _until(lambda: client.stats().storage_bytes == 0)
         for actor in producers + consumers:
             ray.kill(actor)
+        # the controller actor's metrics endpoint says the same, per node's unit
+        with urllib.request.urlopen(cluster.metrics_address, timeout=10) as reply:
+            text = reply.read().decode()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+        assert samples["tqstream_rows_produced_total", (("partition", "flow"),)] == 2 * n
+        consumed = ("tqstream_rows_consumed_total", (("partition", "flow"), ("task", "train")))
+        assert samples[consumed] == 2 * n
+        up = [v for (name, _), v in samples.items() if name == "tqstream_unit_up"]
+        assert up == [1.0, 1.0, 1.0]
 
 
 # --- a storage-unit actor dies ---

@@ -163,8 +163,7 @@ class ControllerActor:
 
     def metrics_address(self) -> str:
         """``http://IP:PORT/metrics``, or "" when the cluster has no metrics endpoint."""
-        port = self._config.metrics_port
-        return f"http://{self._config.host}:{port}/metrics" if port else ""
+        return str(self._server.service.metrics_address)
 
     def pid(self) -> int:
         return os.getpid()
