@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="the reference pipeline needs transfo
 
 
 def test_demo_command_writes_its_summary_and_plot(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "tqstream.reference.demo", "demo", "--steps", "6", "--quiet",
+    cmd = [sys.executable, "-m", "tqstream.cli", "demo", "--steps", "6", "--quiet",
            "--out", str(tmp_path)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -29,6 +29,6 @@ def test_demo_command_writes_its_summary_and_plot(tmp_path: Path) -> None:
 
 
 def test_unknown_command_is_refused() -> None:
-    out = subprocess.run([sys.executable, "-m", "tqstream.reference.demo", "train"],
+    out = subprocess.run([sys.executable, "-m", "tqstream.cli", "train"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert out.returncode == 2 and "unknown command 'train'" in out.stderr
+    assert out.returncode == 2 and "invalid choice: 'train'" in out.stderr

@@ -66,6 +66,13 @@ def test_pure_state_modules_do_no_io() -> None:
         assert not io, f"{name} imports {io}"
 
 
+def test_the_servers_never_load_rich() -> None:
+    """rich draws ``tqstream status`` and the demo's view; the servers do not draw."""
+    for name, imports in MODULES.items():
+        if name.startswith(("tqstream.controller", "tqstream.storage", "tqstream.protocol")):
+            assert not any(i.split(".")[0] == "rich" for i in imports), name
+
+
 def test_import_is_cheap() -> None:
     code = (
         "import sys, tqstream; heavy = {'torch', 'zmq', 'ray', 'vllm', 'tensordict', "
@@ -84,8 +91,9 @@ def test_public_names_resolve() -> None:
 
 
 def test_the_reference_pipeline_is_at_the_edge() -> None:
+    # tqstream.cli dispatches ``tqstream demo`` to it (imported when that command runs)
     for name, imports in MODULES.items():
-        if not name.startswith(("tqstream.reference", "tqstream.adapters")):
+        if not name.startswith(("tqstream.reference", "tqstream.adapters", "tqstream.cli")):
             assert not any(i.startswith("tqstream.reference") for i in imports), name
 
 

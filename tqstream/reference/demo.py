@@ -125,17 +125,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cli(argv: list[str] | None = None) -> int:
-    """``tqstream SUBCOMMAND``: today ``demo``."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: tqstream demo [options]   (tqstream demo --help)")
-        return 0 if argv else 2
-    if argv[0] != "demo":
-        print(f"tqstream: unknown command {argv[0]!r}; try: tqstream demo --help", file=sys.stderr)
-        return 2
-    return main(argv[1:])
-
-
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main())
