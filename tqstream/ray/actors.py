@@ -140,7 +140,31 @@ class _Served:
             self.io.stop()
 
 
-class ControllerActor:
+class _ServerActor:
+    """What the controller and unit actors share: the server they run and where it runs."""
+
+    _server: _Served
+
+    def address(self) -> str:
+        return str(self._server.service.address)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def process(self) -> tuple[int, str]:
+        """``(pid, process_key())``: how ``shutdown`` on the same host sees the process end."""
+        return os.getpid(), process_key()
+
+    def node_id(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    def stop(self) -> None:
+        """Close the server's sockets (its port is free once this returns; a unit also unlinks
+        its shared memory). Idempotent."""
+        self._server.stop()
+
+
+class ControllerActor(_ServerActor):
     """The cluster's controller, and the registry of its storage units' ports by launch index.
 
     ``max_restarts=0``: a restarted controller would be an empty cluster that no client or unit
@@ -154,9 +178,6 @@ class ControllerActor:
         self._units: dict[int, UnitRecord] = {}
         self._server = _Served(lambda ctx: ControllerService(config, ctx), "controller")
 
-    def address(self) -> str:
-        return str(self._server.service.address)
-
     def endpoint(self) -> tuple[str, str]:
         """``(address, key file path)`` — what a client needs ("" : the cluster has no keys)."""
         return self.address(), self._config.keys
@@ -164,16 +185,6 @@ class ControllerActor:
     def metrics_address(self) -> str:
         """``http://IP:PORT/metrics``, or "" when the cluster has no metrics endpoint."""
         return str(self._server.service.metrics_address)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def process(self) -> tuple[int, str]:
-        """``(pid, process_key())``: how ``shutdown`` on the same host sees the process end."""
-        return os.getpid(), process_key()
-
-    def node_id(self) -> str:
-        return str(ray.get_runtime_context().get_node_id())
 
     def unit(self, index: int) -> UnitRecord | None:
         return self._units.get(index)
@@ -184,12 +195,8 @@ class ControllerActor:
     def units(self) -> dict[int, UnitRecord]:
         return dict(self._units)
 
-    def stop(self) -> None:
-        """Close the controller's sockets (its port is free once this returns). Idempotent."""
-        self._server.stop()
 
-
-class StorageUnitActor:
+class StorageUnitActor(_ServerActor):
     """Storage unit ``index`` of cluster ``cluster`` in Ray namespace ``namespace``.
 
     It finds the controller actor by name on every (re)start: an actor handle among the
@@ -210,7 +217,6 @@ class StorageUnitActor:
             unit_config = dataclasses.replace(config, host=host, port=port)
             return lambda ctx: StorageService(unit_config, address, ctx)
 
-        self._server: _Served
         try:
             self._server = _Served(build(port), f"storage-{index}", register=True)
         except OSError as exc:
@@ -232,22 +238,6 @@ class StorageUnitActor:
             shm_token=segments.token if segments is not None else "",
         )
         ray.get(controller.set_unit.remote(index, record))
-
-    def address(self) -> str:
-        return str(self._server.service.address)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def process(self) -> tuple[int, str]:
-        return os.getpid(), process_key()
-
-    def node_id(self) -> str:
-        return str(ray.get_runtime_context().get_node_id())
-
-    def stop(self) -> None:
-        """Close the unit's sockets and unlink its shared memory. Idempotent."""
-        self._server.stop()
 
 
 def _unlink_segments(token: str) -> None:
