@@ -11,6 +11,7 @@ import errno
 import gc
 import os
 import secrets
+import signal
 import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -592,34 +593,58 @@ def test_fetch_of_shared_rows_answers_regions(embedded: Client) -> None:
 
 
 # --- segments of dead units ----------------------------------------------------------------------
+def test_segments_of_a_killed_unit_are_removed_when_the_cluster_closes() -> None:
+    """A storage process SIGKILLed with live chunks cannot unlink its segments; closing the
+    cluster that launched it removes them, and tensors got from them stay valid."""
+    with (
+        tqstream.ProcessCluster(storage_units=1) as cluster,
+        tqstream.connect(cluster.address, EVERY_SIZE) as client,
+    ):
+        data = {"x": torch.arange(1 << 16).reshape(4, -1)}
+        client.put(data, "p")
+        token = shm_tokens(client)[0]
+        got = client.get("p", ["x"], batch_size=4, task="t", timeout=10).data["x"]
+        assert in_chunk_segment(got, token)
+        os.kill(cluster.procs[1].pid, signal.SIGKILL)
+        cluster.procs[1].wait()
+        assert segments(token, "probe") and segments(token, "c")
+    assert segments(token) == set()
+    assert torch.equal(got, data["x"])
+
+
 def test_segments_of_a_killed_unit_are_swept_by_the_next_unit() -> None:
-    """A storage process killed with live chunks leaves its segments; the next unit started on
-    the host removes them."""
+    """A storage process killed with live chunks leaves its segments while its launcher lives;
+    the next unit started on the host removes them."""
     with (
         tqstream.ProcessCluster(storage_units=1) as cluster,
         tqstream.connect(cluster.address, EVERY_SIZE) as client,
     ):
         client.put({"x": torch.arange(1000)}, "p")
         token = shm_tokens(client)[0]
-        unit = cluster.procs[1]
-        unit.kill()
-        unit.wait()
+        os.kill(cluster.procs[1].pid, signal.SIGKILL)
+        cluster.procs[1].wait()
         assert segments(token, "probe") and segments(token, "c")
-    tqstream.init().close()
-    assert segments(token) == set()
+        tqstream.init().close()
+        assert segments(token) == set()
 
 
 def test_new_unit_sweeps_segments_of_dead_units() -> None:
     """A unit starting on the host removes the segments of a unit whose process is gone, and
-    leaves those of a live one alone."""
+    leaves those of a live one alone, and those of units in another PID namespace or kernel (a
+    container sharing /dev/shm), whose pids mean nothing here, or with a probe it cannot read."""
     dead = subprocess.Popen(["true"])
     dead.wait()
-    gone, alive = secrets.token_hex(8), secrets.token_hex(8)
+    gone, alive, elsewhere, old = (secrets.token_hex(8) for _ in range(4))
+    here = shm.process_key()
     files = {
-        f"tqs-{gone}-probe": f"{gone} {dead.pid}",
+        f"tqs-{gone}-probe": f"{gone} {dead.pid} {here}",
         f"tqs-{gone}-c1": "x",
-        f"tqs-{alive}-probe": f"{alive} {os.getpid()}",
+        f"tqs-{alive}-probe": f"{alive} {os.getpid()} {here}",
         f"tqs-{alive}-c1": "x",
+        f"tqs-{elsewhere}-probe": f"{elsewhere} {dead.pid} another-boot:4026531836",
+        f"tqs-{elsewhere}-c1": "x",
+        f"tqs-{old}-probe": f"{old} {dead.pid}",
+        f"tqs-{old}-c1": "x",
     }
     try:
         for name, text in files.items():
@@ -628,7 +653,8 @@ def test_new_unit_sweeps_segments_of_dead_units() -> None:
         client = tqstream.init()
         client.close()
         assert segments(gone) == set()
-        assert segments(alive) == {f"tqs-{alive}-probe", f"tqs-{alive}-c1"}
+        for token in (alive, elsewhere, old):
+            assert segments(token) == {f"tqs-{token}-probe", f"tqs-{token}-c1"}
     finally:
         for name in files:
             shm.unlink(name)

@@ -33,6 +33,7 @@ from typing import Any
 
 from tqstream.config import ControllerConfig, StorageConfig, from_env
 from tqstream.launch.worker import LOG_FORMAT
+from tqstream.protocol import shm
 from tqstream.protocol.auth import ensure_keys
 
 __all__ = ["ProcessCluster", "main"]
@@ -196,6 +197,11 @@ class ProcessCluster:
                 for stream in (p.stdin, p.stdout):
                     if stream is not None:
                         stream.close()
+        # a unit killed (SIGKILL, the OOM killer) could not unlink its segments: nobody else would
+        if any(p.returncode is not None and p.returncode < 0 for p in self.procs[1:]):
+            swept = shm.sweep_dead_units()
+            if swept:
+                _log.info("removed the shared memory of %d killed storage units", swept)
 
     def __enter__(self) -> ProcessCluster:
         return self

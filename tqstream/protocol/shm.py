@@ -51,8 +51,11 @@ __all__ = [
     "available",
     "chunk_segment",
     "claim",
+    "process_key",
     "reachable",
+    "remove_segments",
     "segment_size",
+    "sweep_dead_units",
     "unlink",
     "write_segment",
 ]
@@ -215,10 +218,10 @@ class UnitSegments:
 
     def __init__(self) -> None:
         self.token = secrets.token_hex(8)
-        _sweep_dead_units()
+        sweep_dead_units()
         probe = _path(f"tqs-{self.token}-probe")
         with open(probe, "xb") as f:
-            f.write(f"{self.token} {os.getpid()}".encode())
+            f.write(f"{self.token} {os.getpid()} {process_key()}".encode())
         self.reader = Segments(self.token)
         self._bases: list[int] = []  # sorted start addresses of the mapped chunk segments
         self._spans: dict[int, tuple[int, str]] = {}  # start -> (end, name)
@@ -320,7 +323,7 @@ class UnitSegments:
 
     def close(self) -> None:
         """Unlink every name this unit owns (mapped views stay valid)."""
-        _remove_token(self.token)
+        remove_segments(self.token)
 
 
 def _exclusive(path: str) -> bool:
@@ -340,7 +343,8 @@ def _exclusive(path: str) -> bool:
         os.close(fd)
 
 
-def _remove_token(token: str) -> None:
+def remove_segments(token: str) -> None:
+    """Unlink every name of unit ``token``'s segments (mapped views keep their pages)."""
     prefix = f"tqs-{token}-"
     with contextlib.suppress(OSError):
         for entry in os.scandir(SHM_DIR):
@@ -348,8 +352,24 @@ def _remove_token(token: str) -> None:
                 unlink(entry.name)
 
 
-def _sweep_dead_units() -> None:
-    """Remove the segments of units on this host whose process is gone."""
+def process_key() -> str:
+    """Which kernel and PID namespace this process's pid is valid in: another process with the
+    same key can watch it with ``os.kill(pid, 0)``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""  # not Linux: pids are all there is
+
+
+def sweep_dead_units() -> int:
+    """Remove the segments of units on this host whose process is gone; return how many units'.
+
+    Only probes written in this process's kernel and PID namespace count: a container that shares
+    ``/dev/shm`` but not our pids cannot tell its live units from dead ones, so it leaves them."""
+    here = process_key()
+    swept = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(SHM_DIR):
             m = re.fullmatch(r"tqs-([0-9a-f]{16})-probe", entry.name)
@@ -357,11 +377,14 @@ def _sweep_dead_units() -> None:
                 continue
             try:
                 with open(entry.path, "rb") as f:
-                    pid = int(f.read(64).split()[1])
-            except (OSError, ValueError, IndexError):
+                    _, pid, *key = f.read(256).decode().split()
+                    alive = (key[0] if key else "") != here or _alive(int(pid))
+            except (OSError, ValueError, UnicodeDecodeError):
                 continue
-            if not _alive(pid):
-                _remove_token(m.group(1))
+            if not alive:
+                remove_segments(m.group(1))
+                swept += 1
+    return swept
 
 
 def _alive(pid: int) -> bool:

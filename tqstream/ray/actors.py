@@ -18,9 +18,7 @@ storage unit), and clients see the server's connection drop, exactly as for a de
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import glob
 import logging
 import os
 import threading
@@ -32,13 +30,13 @@ import ray
 from tqstream.client.loop import LoopThread
 from tqstream.config import ControllerConfig, StorageConfig
 from tqstream.errors import TQStreamError
+from tqstream.protocol.shm import process_key, remove_segments
 
 __all__ = [
     "ControllerActor",
     "StorageUnitActor",
     "UnitRecord",
     "controller_name",
-    "process_key",
     "unit_name",
 ]
 
@@ -53,17 +51,6 @@ def controller_name(cluster: str) -> str:
 def unit_name(cluster: str, index: int) -> str:
     """The Ray actor name of cluster ``cluster``'s storage unit ``index``."""
     return f"{cluster}-unit-{index}"
-
-
-def process_key() -> str:
-    """Which kernel and PID namespace this process's pid is valid in: another process with the
-    same key can watch it with ``os.kill(pid, 0)``."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return ""  # not Linux: nobody watches the pid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +197,7 @@ class StorageUnitActor(_ServerActor):
         before: UnitRecord | None = ray.get(controller.unit.remote(index))
         address: str = ray.get(controller.address.remote())
         if before is not None and before.shm_token:
-            _unlink_segments(before.shm_token)
+            remove_segments(before.shm_token)
         port = before.port if before is not None else config.port
 
         def build(port: int) -> Callable[[Any], Any]:
@@ -238,12 +225,3 @@ class StorageUnitActor(_ServerActor):
             shm_token=segments.token if segments is not None else "",
         )
         ray.get(controller.set_unit.remote(index, record))
-
-
-def _unlink_segments(token: str) -> None:
-    """Remove the names of the segments a killed unit left (mapped views keep their pages)."""
-    from tqstream.protocol import shm
-
-    for path in glob.glob(os.path.join(shm.SHM_DIR, f"tqs-{token}-*")):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)

@@ -23,13 +23,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tqstream.config import ClientConfig, ControllerConfig, StorageConfig, from_env
 from tqstream.errors import ConnectError
-from tqstream.ray.actors import (
-    ControllerActor,
-    StorageUnitActor,
-    controller_name,
-    process_key,
-    unit_name,
-)
+from tqstream.protocol.shm import process_key
+from tqstream.ray.actors import ControllerActor, StorageUnitActor, controller_name, unit_name
 
 if TYPE_CHECKING:
     from tqstream.client.client import Client
