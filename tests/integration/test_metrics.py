@@ -178,21 +178,25 @@ def test_processes_count_a_killed_unit() -> None:
                 client.put({"x": torch.randn(4, 2)}, partition="train")
             m = Scrape(url)
             assert m.value("tqstream_connected_peers") == 3  # this client and the 2 units
-            assert m.value("tqstream_unit_up", unit="1") == 1
-            held = m.value("tqstream_unit_rows", unit="1")
+            # the units register in the order they come up: find the index of the one killed
+            address = cluster.unit_addresses[1]
+            unit = m.families["tqstream_unit_up"]
+            index = next(s.labels["unit"] for s in unit.samples if s.labels["address"] == address)
+            assert m.value("tqstream_unit_up", unit=index) == 1
+            held = m.value("tqstream_unit_rows", unit=index)
             assert held > 0
 
-            cluster.procs[2].send_signal(signal.SIGKILL)  # storage unit 1
-            _until(lambda: Scrape(url).value("tqstream_unit_up", unit="1") == 0)
+            cluster.procs[2].send_signal(signal.SIGKILL)  # storage unit process 1
+            _until(lambda: Scrape(url).value("tqstream_unit_up", unit=index) == 0)
             # the unit's own connection to the controller is seen gone on its own
             _until(lambda: Scrape(url).value("tqstream_connected_peers") == 2)
             m = Scrape(url)
             assert m.value("tqstream_rows_lost_total", partition="train") == held
             assert m.value("tqstream_task_rows_lost_total", partition="train", task="actor") == held
-            assert m.value("tqstream_unit_bytes", unit="1") == 0
+            assert m.value("tqstream_unit_bytes", unit=index) == 0
 
             cluster.restart_unit(1)
-            _until(lambda: Scrape(url).value("tqstream_unit_up", unit="1") == 1)
+            _until(lambda: Scrape(url).value("tqstream_unit_up", unit=index) == 1)
         finally:
             client.close()
         _until(lambda: Scrape(url).value("tqstream_connected_peers") == 2)  # the units
