@@ -80,8 +80,11 @@ def test_an_idle_receiver_times_the_sync_out() -> None:
     group = TorchCollective(0, 2, timeout=2.0)
     idle = spawn(group.port, 1, 2, 1, "--idle")
     try:
+        # the group's 2 s bound the join too: the receiver must have started (imports take
+        # longer than that on a busy machine) before rank 0 begins waiting for it
+        assert idle.stdout is not None and json.loads(idle.stdout.readline()) == {"ready": True}
         group.join()
-        assert idle.stdout is not None and json.loads(idle.stdout.readline()) == {"joined": True}
+        assert json.loads(idle.stdout.readline()) == {"joined": True}
         t0 = time.monotonic()
         with pytest.raises(
             WeightSyncTimeoutError, match=r"did not complete within 2\.0s on rank 0"
@@ -97,7 +100,8 @@ def test_a_killed_receiver_fails_the_sync_promptly() -> None:
     group = TorchCollective(0, 2, timeout=20.0)
     idle = spawn(group.port, 1, 2, 1, "--idle")
     group.join()
-    assert idle.stdout is not None and json.loads(idle.stdout.readline()) == {"joined": True}
+    assert idle.stdout is not None and json.loads(idle.stdout.readline()) == {"ready": True}
+    assert json.loads(idle.stdout.readline()) == {"joined": True}
     os.kill(idle.pid, signal.SIGKILL)
     idle.wait()
     t0 = time.monotonic()

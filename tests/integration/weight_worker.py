@@ -6,8 +6,9 @@
 Joins the group, receives SYNCS syncs and checks each against the weights the trainer makes for
 that version (the same seeded tensors), printing one JSON line per sync: {"version": v, "ok": bool}
 or {"error": class name, "message": ...}. ``--expect-other`` expects a model with one layer of
-another shape; ``--idle`` joins and then never receives; ``--fresh`` receives each sync with a new
-receiver (one that never saw the metadata). ``hub``: a member of the ``WeightHub`` at PORT (it
+another shape; ``--idle`` says {"ready": true} once started, joins, says {"joined": true} and then
+never receives; ``--fresh`` receives each sync with a new receiver (one that never saw the
+metadata). ``hub``: a member of the ``WeightHub`` at PORT (it
 registers, says {"member": id}, waits for each announced sync and receives it); ``--after N``:
 registers only once N members did; ``--nccl``: receives over NCCL on ``cuda:1``.
 """
@@ -50,6 +51,7 @@ def main() -> None:
     port, rank, world, syncs = (int(a) for a in sys.argv[1:5])
     group = TorchCollective(rank, world, port=port, timeout=20.0)
     if idle:
+        print(json.dumps({"ready": True}), flush=True)  # started: it joins at once
         group.join()
         print(json.dumps({"joined": True}), flush=True)
         time.sleep(60)
