@@ -40,6 +40,9 @@ class ControllerConfig:
     metrics_port: int = 0
     """Port of the Prometheus metrics endpoint (``http://HOST:PORT/metrics`` on the controller's
     host); 0: no endpoint (docs/observability.md)."""
+    max_rows: int = 0
+    """Rows the cluster holds at most, over every partition (rows being put included); a put or
+    keyed write that would exceed it raises CapacityError. 0: no cap."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ __all__ = [
     "RequestTimeoutError",
     "SchemaError",
     "TQStreamError",
+    "TagError",
     "UnitLostError",
     "UnknownFieldError",
     "UnknownKeyError",
@@ -121,6 +122,12 @@ class FieldExistsError(TQStreamError, ValueError):
     """``put_fields`` would overwrite a field that is already written for some rows."""
 
     code = "field_exists"
+
+
+class TagError(TQStreamError, ValueError):
+    """A row's tags are not a small flat mapping of str to scalars (or flat lists of scalars)."""
+
+    code = "tag"
 
 
 class GroupError(TQStreamError, ValueError):

@@ -16,13 +16,23 @@ __all__ = [
     "CheckpointSummary",
     "FieldSchema",
     "PartitionStats",
+    "RowListing",
     "Stats",
+    "TagValue",
+    "Tags",
     "TaskStats",
     "UnitStats",
 ]
 
 FieldKind = Literal["dense", "ragged", "object"]
 ObjectType = Literal["str", "bytes", "json"]
+
+Scalar = str | int | float | bool | None
+TagValue = Scalar | list[Scalar]
+"""A tag's value: a scalar, or a flat list of scalars."""
+Tags = dict[str, TagValue]
+"""A row's tags: small user bookkeeping kept by the controller with the row (e.g. ``status``,
+``global_steps``), merged key by key when written again, listed without reading the row's data."""
 
 
 class FieldSchema(msgspec.Struct, frozen=True):
@@ -71,6 +81,7 @@ class BatchMeta(msgspec.Struct, frozen=True):
     stale_dropped: int = 0  # rows this request evicted as stale (on_stale="drop")
     rejected: int = 0  # rows of this put refused (reject_mixed_versions)
     replicas: list[int] = []  # per row, the unit holding its second copy (-1: none); [] if none
+    tags: list[Tags] = []  # per row, its tags; [] when no row of the batch has any
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -98,7 +109,19 @@ class BatchMeta(msgspec.Struct, frozen=True):
             if self.dispatch_version
             else [],
             replicas=[self.replicas[i] for i in idx] if self.replicas else [],
+            tags=[self.tags[i] for i in idx] if self.tags else [],
         )
+
+
+class RowListing(msgspec.Struct, frozen=True):
+    """Every row of a partition (``list_rows``): ``meta`` holds them in put order (keys, tags,
+    where they are stored, ``fields`` the fields asked about); per row, ``ready``: every asked field
+    is written, and ``consumed``: the asked task has it leased or acked (all False without a
+    task)."""
+
+    meta: BatchMeta
+    ready: list[bool]
+    consumed: list[bool]
 
 
 class TaskStats(msgspec.Struct, frozen=True):

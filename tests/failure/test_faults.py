@@ -304,6 +304,23 @@ def test_with_two_replicas_a_killed_unit_loses_nothing(row_floats: int) -> None:
         _until(lambda: c.stats().storage_bytes == 0, 5.0)  # both copies freed
 
 
+def test_fields_added_and_replaced_later_are_kept_twice_too() -> None:
+    """put_fields and keyed writes store on the row's replica as well: after the loss of the
+    primary unit the added and the replaced fields are read from the copies."""
+    with ProcessCluster(3) as cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", replicas=2)
+        meta = c.put({"x": torch.arange(6, dtype=torch.float32)}, "p", keys=list("abcdef"))
+        c.put_fields(meta, {"adv": torch.full((6,), 2.0)})
+        c.put_by_keys("p", list("abc"), {"x": torch.full((3,), -1.0)}, tags=[{"v": 1}] * 3)
+        victim = meta.units[0]
+        cluster.procs[1 + _proc_of(cluster, c, victim)].kill()
+        _until(lambda: not c.stats().units[victim].alive, 5.0)
+        got = c.get_by_keys("p", list("abcdef"), ["x", "adv"]).data
+        assert got["x"].tolist() == [-1.0, -1.0, -1.0, 3.0, 4.0, 5.0]
+        assert got["adv"].tolist() == [2.0] * 6
+        assert c.stats("p").partitions["p"].lost == 0
+
+
 def test_replicas_are_refused_out_of_range() -> None:
     with tqstream.init() as c, pytest.raises(tqstream.InvalidRequestError, match="replicas"):
         c.create_partition("p", ["x"], replicas=3)

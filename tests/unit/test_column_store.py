@@ -228,6 +228,7 @@ class StoreMachine(RuleBasedStateMachine):
             "b": {},
         }  # row -> field -> chunk
         self.live: dict[int, tuple[str, int, set[int]]] = {}  # chunk -> (partition, bytes, rows)
+        self.staged: dict[int, tuple[str, list[int]]] = {}  # overwrite chunk -> (field, rows)
         self.next_chunk = 1
         self.next_row = 0
 
@@ -259,6 +260,39 @@ class StoreMachine(RuleBasedStateMachine):
             self._add(partition, rows, field)
 
     @rule(partition=st.sampled_from("ab"), field=st.sampled_from("dro"), data=st.data())
+    def overwrite(self, partition, field, data):
+        """Values for rows of which some have the field: staged for those until published."""
+        if not self.model[partition]:
+            return
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.model[partition])), min_size=1,
+                                  unique=True))  # fmt: skip
+        chunk, self.next_chunk = self.next_chunk, self.next_chunk + 1
+        name = f"f{field}"
+        column = make_columns(field, rows, chunk)[field]
+        self.store.add_chunk(partition, chunk, rows, {name: column}, overwrite=True)
+        staged = [r for r in rows if name in self.model[partition][r]]
+        for r in rows:
+            self.model[partition][r].setdefault(name, chunk)
+        self.live[chunk] = (partition, column.nbytes, set(rows))
+        if staged:
+            self.staged[chunk] = (name, staged)
+
+    @precondition(lambda self: self.staged)
+    @rule(data=st.data())
+    def publish(self, data):
+        chunk = data.draw(st.sampled_from(sorted(self.staged)))
+        self.store.publish(chunk)
+        name, rows = self.staged.pop(chunk)
+        partition, _, held = self.live[chunk]
+        for r in rows:
+            if r not in held:
+                continue  # dropped since
+            old = self.model[partition][r][name]
+            self.model[partition][r][name] = chunk
+            if old not in self.model[partition][r].values():
+                self._drop_from(old, r)
+
+    @rule(partition=st.sampled_from("ab"), field=st.sampled_from("dro"), data=st.data())
     def fetch(self, partition, field, data):
         name = f"f{field}"
         held = sorted(r for r, fs in self.model[partition].items() if name in fs)
@@ -278,25 +312,29 @@ class StoreMachine(RuleBasedStateMachine):
         expected = len({r for r in rows if r in self.model[partition]})
         assert self.store.drop_rows(partition, rows) == expected
         for r in rows:
-            for chunk in set(self.model[partition].pop(r, {}).values()):
+            self.model[partition].pop(r, None)
+            holding = [c for c, (p, _, held) in self.live.items() if p == partition and r in held]
+            for chunk in holding:
                 self._drop_from(chunk, r)
 
     def _drop_from(self, chunk: int, row: int) -> None:
         self.live[chunk][2].discard(row)
         if not self.live[chunk][2]:
             del self.live[chunk]
+            self.staged.pop(chunk, None)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def drop_chunk(self, data):
         chunk = data.draw(st.sampled_from(sorted(self.live)))
         self.store.drop_chunks([chunk])
+        self.staged.pop(chunk, None)
         partition, _, rows = self.live.pop(chunk)
         for r in rows:
             fields = self.model[partition][r]
             for f in [f for f, c in fields.items() if c == chunk]:
                 del fields[f]
-            if not fields:
+            if not any(r in held for p, _, held in self.live.values() if p == partition):
                 del self.model[partition][r]
 
     @rule(partition=st.sampled_from("ab"))
@@ -304,12 +342,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.drop_partition(partition)
         self.model[partition] = {}
         self.live = {c: v for c, v in self.live.items() if v[0] != partition}
+        self.staged = {c: v for c, v in self.staged.items() if c in self.live}
 
     @invariant()
     def accounting(self):
         assert self.store.bytes == sum(nbytes for _, nbytes, _ in self.live.values())
         assert self.store.chunks == len(self.live)
-        assert self.store.rows == sum(len(rows) for rows in self.model.values())
+        held = {(p, r) for p, _, rows in self.live.values() for r in rows}
+        assert self.store.rows == len(held) == sum(len(rows) for rows in self.model.values())
 
 
 TestStoreMachine = StoreMachine.TestCase
@@ -326,3 +366,47 @@ def test_reset_drops_older_chunks_and_refuses_them_later(store):
         store.add_chunk("p", 4, [30], make_columns("d", [30], 4))
     store.add_chunk("p", 7, [30], make_columns("d", [30], 7))
     assert store.chunks == 2
+
+
+def test_an_overwrite_is_staged_until_published(store):
+    rows = [10, 11, 12]
+    store.add_chunk("p", 2, rows, make_columns("d", rows, 2), overwrite=True)
+    assert content(store.fetch("p", rows, ["d"])["d"]) == [value("d", r, 1) for r in rows]
+    store.publish(2)
+    assert content(store.fetch("p", rows, ["d"])["d"]) == [value("d", r, 2) for r in rows]
+    assert content(store.fetch("p", [13], ["d"])["d"]) == [value("d", 13, 1)]
+    # chunk 1 still holds r and o of rows 10-12: it keeps them until they are dropped
+    assert store.holds(1) and store.chunks == 2
+    store.drop_rows("p", rows)  # each row's fields are dropped from the chunk holding them
+    assert content(store.fetch("p", [14], ["d", "r"])["d"]) == [value("d", 14, 1)]
+    with pytest.raises(UnknownRowError):
+        store.fetch("p", [10], ["d"])
+
+
+def test_a_rolled_back_overwrite_leaves_the_old_values(store):
+    held = store.bytes
+    store.add_chunk("p", 2, [10, 11], make_columns("do", [10, 11], 2), overwrite=True)
+    store.drop_chunks([2])
+    assert store.bytes == held and not store.holds(2)
+    got = store.fetch("p", [10, 11], ["d", "o"])
+    assert content(got["d"]) == [value("d", r, 1) for r in (10, 11)]
+    assert content(got["o"]) == [value("o", r, 1) for r in (10, 11)]
+    store.publish(2)  # a publish of a chunk dropped meanwhile does nothing
+
+
+def test_a_chunk_whose_every_field_was_replaced_is_released(store):
+    rows = list(range(10, 20))
+    store.add_chunk("p", 2, rows, make_columns("dro", rows, 2), overwrite=True)
+    assert store.holds(1)
+    store.publish(2)
+    assert not store.holds(1) and store.chunks == 1
+    assert content(store.fetch("p", rows, ["r"])["r"]) == [value("r", r, 2) for r in rows]
+    store.drop_rows("p", rows)
+    assert store.bytes == 0 and store.chunks == 0
+
+
+def test_an_overwrite_adding_new_rows_indexes_them_at_once(store):
+    store.add_chunk("p", 2, [19, 20], make_columns("d", [19, 20], 2), overwrite=True)
+    assert content(store.fetch("p", [19, 20], ["d"])["d"]) == [value("d", 19, 1), value("d", 20, 2)]
+    store.publish(2)
+    assert content(store.fetch("p", [19, 20], ["d"])["d"]) == [value("d", 19, 2), value("d", 20, 2)]

@@ -1079,3 +1079,104 @@ def test_ended_leases_and_puts_leave_the_deadline_heap() -> None:
         assert s.ack("p", "t", got.lease_id, got.row_ids) == 1
     assert sum(1 for e in s._deadlines if s._live(e)) == 0
     assert len(s._deadlines) < 2 * COMPACT_MIN  # not 8 * COMPACT_MIN: ended entries were swept
+
+
+# --- writes by key, tags, consumption resets ---
+def keyed(
+    s: ControllerState,
+    keys: list[str],
+    fields: Any = ("b",),
+    commit: bool = True,
+    **kw: Any,
+) -> Any:
+    schemas = fields if isinstance(fields, dict) else {f: F32 for f in fields}
+    req = PrepareFields(
+        rid=0, partition="p", row_ids=[], schemas=schemas, nbytes=5 * len(keys), keys=keys, **kw
+    )
+    plan = s.prepare_fields(req, 0.0)
+    return s.commit(plan.put_id, 0.0) if commit else plan
+
+
+def test_a_keyed_write_creates_rows_at_its_commit_and_merges_tags() -> None:
+    s = new_state(units=1)
+    s.upsert_rows("p", ["x"], [{"status": "pending", "n": 1}], True)
+    plan = keyed(s, ["x", "y"], create=True, tags=[{"status": "done"}, {"k": [1, 2]}], commit=False)
+    assert s.list_keys("p") == ["x"]  # y is created by the commit, not before
+    meta, _ = s.commit(plan.put_id, 0.0)
+    assert meta.keys == ["x", "y"] and meta.fields == ["b"]
+    assert meta.tags == [{"status": "done", "n": 1}, {"k": [1, 2]}]
+    st = s.stats("p")["p"]
+    assert st.rows == 2 and st.produced == 2 and st.fields == {"b": 2}
+    assert get(s, ("b",), batch_size=2).keys == ["x", "y"]
+
+
+def test_an_aborted_keyed_write_removes_the_rows_it_created_and_their_bytes() -> None:
+    s = new_state(units=1)
+    keyed(s, ["x"], create=True)
+    held = s.units.bytes[0]
+    plan = keyed(s, ["x", "y", "z"], fields=("c",), create=True, tags=[{"t": 1}] * 3, commit=False)
+    s.abort(plan.put_id)
+    assert s.list_keys("p") == ["x"] and s.units.bytes == [held]
+    assert s.get_by_keys("p", ["x"], None).tags == []  # the aborted write's tags are not kept
+    assert s.stats("p")["p"].produced == 1
+
+
+def test_overwrite_replaces_written_fields_without_counting_them_twice() -> None:
+    s = new_state(units=1)
+    keyed(s, ["x", "y"], create=True)
+    with pytest.raises(FieldExistsError, match="pass overwrite=True"):
+        keyed(s, ["x"])
+    keyed(s, ["x", "y"], overwrite=True)
+    assert s.stats("p")["p"].fields == {"b": 2}
+    busy = keyed(s, ["x"], fields=("c",), commit=False)
+    with pytest.raises(FieldExistsError, match="being written by another put_fields"):
+        keyed(s, ["x"], fields=("c",), overwrite=True)
+    s.abort(busy.put_id)
+    with pytest.raises(UnknownKeyError, match="'q'"):
+        keyed(s, ["x", "q"], overwrite=True)
+
+
+def test_upsert_rows_creates_rows_without_fields_placed_on_a_unit() -> None:
+    s = new_state(units=2)
+    meta = s.upsert_rows("p", ["a", "b"], [{"is_prompt": True}, None], True)
+    assert meta.fields == [] and meta.tags == [{"is_prompt": True}, {}]
+    assert all(u in (0, 1) for u in meta.units)
+    with pytest.raises(UnknownKeyError):
+        s.upsert_rows("p", ["a", "nope"], None, False)
+    with pytest.raises(UnknownPartitionError):
+        s.upsert_rows("other", ["a"], None, False)
+    again = s.upsert_rows("p", ["b"], [{"status": "x"}], False)
+    assert again.tags == [{"status": "x"}] and s.stats("p")["p"].rows == 2
+    with pytest.raises(InvalidRequestError, match="named more than once"):
+        s.upsert_rows("p", ["a", "a"], None, True)
+    # rows without fields never serve a get; their fields, written later, do
+    with pytest.raises(UnknownFieldError):
+        get(s, ("b",), timeout=0)
+    keyed(s, ["a", "b"])
+    assert sorted(get(s, ("b",), batch_size=2).keys) == ["a", "b"]
+
+
+def test_reset_consumption_ends_leases_and_rebuilds_the_views() -> None:
+    s = new_state()
+    put(s, 3)
+    leased = get(s, batch_size=1)
+    acked = get(s, batch_size=1)
+    s.ack("p", "actor", acked.lease_id, acked.row_ids)
+    assert s.reset_consumption("p", "actor", 0.0) == 2
+    assert s.ack("p", "actor", leased.lease_id, leased.row_ids) == 0  # ended: harmless
+    assert sorted(get(s, batch_size=3).row_ids) == [0, 1, 2]
+    assert s.reset_consumption("p", None, 0.0) == 3
+    assert s.reset_consumption("p", "never-read", 0.0) == 0
+    with pytest.raises(UnknownPartitionError):
+        s.reset_consumption("nope", None, 0.0)
+
+
+def test_max_rows_counts_rows_being_put() -> None:
+    s = ControllerState(max_rows=3)
+    s.add_unit("tcp://unit0")
+    prepare(s, 2)
+    with pytest.raises(CapacityError, match=r"holds 2 rows and max_rows=3: 2 more"):
+        prepare(s, 2)
+    with pytest.raises(CapacityError):
+        s.upsert_rows("q", ["a", "b"], None, True)
+    s.upsert_rows("q", ["a"], None, True)

@@ -30,9 +30,13 @@ from tqstream.client.requests import (
     decode,
     encode_fields,
     encode_put,
+    fields_request,
     get_request,
+    keyed_columns,
     partition_message,
     reply_wait,
+    tags_message,
+    upsert_message,
 )
 from tqstream.config import ClientConfig, from_env
 from tqstream.errors import ClosedError
@@ -40,10 +44,14 @@ from tqstream.protocol.messages import (
     CheckpointReply,
     ClosePartition,
     CreateAdmission,
+    ListRows,
     LoadCheckpoint,
+    MetaReply,
+    ResetConsumption,
+    RowsReply,
     SaveCheckpoint,
 )
-from tqstream.types import BatchMeta, CheckpointSummary, Stats
+from tqstream.types import BatchMeta, CheckpointSummary, RowListing, Stats
 
 __all__ = ["Batch", "Client", "connect"]
 
@@ -118,6 +126,12 @@ class Client:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def cluster(self) -> str:
+        """A token of the cluster this client talks to, new each time its controller starts:
+        metadata that names another token was not issued by this cluster."""
+        return self._core.controller.welcome.cluster
+
     def _check(self) -> None:
         if self._closed:
             raise ClosedError(CLOSED)
@@ -162,6 +176,7 @@ class Client:
         versions_field: str | None = "versions",
         reject_mixed_versions: bool = False,
         timeout: float | None = None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
         """Store ``data`` (TensorDict or dict of tensors / lists, B rows) as B new rows.
 
@@ -173,12 +188,13 @@ class Client:
         ``dispatch_version``: the version when generation was requested (int or one per row).
         ``reject_mixed_versions``: refuse (and count) rows whose tokens span several versions.
         ``timeout``: how long to wait for room when storage units have byte quotas (None:
-        forever), then ``CapacityError``. The rows become visible to readers all at once, when
-        every byte is stored.
+        forever), then ``CapacityError``. ``tags``: per row, a small mapping of str to scalars
+        the controller keeps with the row (see ``put_by_keys``). The rows become visible to
+        readers all at once, when every byte is stored.
         """
         req, columns = encode_put(
             data, partition, keys, groups, group_size, version, dispatch_version,
-            versions_field, reject_mixed_versions, timeout,
+            versions_field, reject_mixed_versions, timeout, tags,
         )  # fmt: skip
         return self._sync(ClientCore.put, req, columns)
 
@@ -195,19 +211,109 @@ class Client:
         versions_field: str | None = "versions",
         reject_mixed_versions: bool = False,
         timeout: float | None = None,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
         req, columns = encode_put(
             data, partition, keys, groups, group_size, version, dispatch_version,
-            versions_field, reject_mixed_versions, timeout,
+            versions_field, reject_mixed_versions, timeout, tags,
         )  # fmt: skip
         return await self._async(ClientCore.put, req, columns)
 
-    def put_fields(self, meta: BatchMeta, data: Any) -> None:
-        """Add columns (e.g. ``advantages``) to existing rows, in ``meta``'s row order."""
-        self._sync(ClientCore.put_fields, meta, encode_fields(meta, data))
+    def put_fields(
+        self,
+        meta: BatchMeta,
+        data: Any,
+        *,
+        overwrite: bool = False,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        version: int | None = None,
+        versions_field: str | None = "versions",
+    ) -> None:
+        """Add columns (e.g. ``advantages``) to existing rows, in ``meta``'s row order.
 
-    async def async_put_fields(self, meta: BatchMeta, data: Any) -> None:
-        await self._async(ClientCore.put_fields, meta, encode_fields(meta, data))
+        A field a row has already is refused (``FieldExistsError``) unless ``overwrite=True``:
+        the new values then replace the old ones, which readers stop seeing at the commit (views
+        already read stay valid). ``tags``: per row, merged into the row's tags at the commit.
+        ``version`` / ``versions_field``: policy versions for rows that have none yet."""
+        columns = encode_fields(meta, data)
+        req = fields_request(
+            meta.partition, columns, row_ids=meta.row_ids, tags=tags, overwrite=overwrite,
+            version=version, versions_field=versions_field,
+        )  # fmt: skip
+        self._sync(ClientCore.write_fields, req, columns)
+
+    async def async_put_fields(
+        self,
+        meta: BatchMeta,
+        data: Any,
+        *,
+        overwrite: bool = False,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        version: int | None = None,
+        versions_field: str | None = "versions",
+    ) -> None:
+        columns = encode_fields(meta, data)
+        req = fields_request(
+            meta.partition, columns, row_ids=meta.row_ids, tags=tags, overwrite=overwrite,
+            version=version, versions_field=versions_field,
+        )  # fmt: skip
+        await self._async(ClientCore.write_fields, req, columns)
+
+    def put_by_keys(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        data: Any = None,
+        *,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        create: bool = True,
+        overwrite: bool = True,
+        version: int | None = None,
+        versions_field: str | None = "versions",
+    ) -> BatchMeta:
+        """Write fields and/or tags of the rows of ``keys`` (one row of ``data`` and one entry of
+        ``tags`` per key, in order): a key-value write.
+
+        Keys not in the partition become new rows (``create=False``: ``UnknownKeyError``), stored
+        on a unit like a put's rows and visible when the write commits. Fields a row has already
+        are replaced (``overwrite=False``: ``FieldExistsError``). ``tags`` (per row a mapping of
+        str to a scalar or a flat list of scalars, or None) are merged into the row's tags key by
+        key. With ``data=None`` only the tags are written (rows without fields may be created:
+        their fields can follow). ``version`` / ``versions_field``: the rows' policy versions, as
+        for ``put``, set on the rows that have none yet (created by this write, or without
+        fields until now). Returns the rows' metadata, ``fields`` being the fields every one of
+        them has now; nothing is written on error."""
+        if data is None:
+            return self._sync(ClientCore.call, upsert_message(partition, keys, tags, create),
+                              MetaReply).meta  # fmt: skip
+        names, columns = keyed_columns(keys, data)
+        req = fields_request(
+            partition, columns, keys=names, tags=tags, create=create, overwrite=overwrite,
+            version=version, versions_field=versions_field,
+        )  # fmt: skip
+        return self._sync(ClientCore.write_fields, req, columns)
+
+    async def async_put_by_keys(
+        self,
+        partition: str,
+        keys: Sequence[str],
+        data: Any = None,
+        *,
+        tags: Sequence[Mapping[str, Any] | None] | None = None,
+        create: bool = True,
+        overwrite: bool = True,
+        version: int | None = None,
+        versions_field: str | None = "versions",
+    ) -> BatchMeta:
+        if data is None:
+            msg = upsert_message(partition, keys, tags, create)
+            return (await self._async(ClientCore.call, msg, MetaReply)).meta
+        names, columns = keyed_columns(keys, data)
+        req = fields_request(
+            partition, columns, keys=names, tags=tags, create=create, overwrite=overwrite,
+            version=version, versions_field=versions_field,
+        )  # fmt: skip
+        return await self._async(ClientCore.write_fields, req, columns)
 
     def create_partition(
         self,
@@ -463,12 +569,71 @@ class Client:
         data = await self.async_get_data(meta, padded=padded, pad_values=pad_values, copy=copy)
         return Batch(meta, data, self)
 
+    def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any] | None]) -> None:
+        """Merge ``tags`` (one mapping or None per row of ``meta``, in its order) into the rows'
+        tags, key by key."""
+        self._sync(ClientCore.call, tags_message(meta, tags), MetaReply)
+
+    async def async_set_tags(
+        self, meta: BatchMeta, tags: Sequence[Mapping[str, Any] | None]
+    ) -> None:
+        await self._async(ClientCore.call, tags_message(meta, tags), MetaReply)
+
+    def lookup(
+        self,
+        partition: str,
+        keys: Sequence[str] = (),
+        *,
+        row_ids: Sequence[int] = (),
+        fields: Sequence[str] | None = None,
+        missing_ok: bool = False,
+    ) -> BatchMeta:
+        """The metadata of the rows of ``keys`` (or of ``row_ids``) in that order, without their
+        data and without leasing them: keys, tags, where each row is stored, and ``fields`` (None:
+        the fields all of them have; a field one of them lacks raises ``NotReadyError``). Rows that
+        do not exist raise ``UnknownKeyError`` / ``UnknownRowError``; ``missing_ok=True`` leaves
+        them out instead (and a partition that does not exist gives an empty batch)."""
+        return self._sync(
+            ClientCore.get_by_keys, partition, list(keys),
+            None if fields is None else list(fields), list(row_ids), missing_ok,
+        )  # fmt: skip
+
+    async def async_lookup(
+        self,
+        partition: str,
+        keys: Sequence[str] = (),
+        *,
+        row_ids: Sequence[int] = (),
+        fields: Sequence[str] | None = None,
+        missing_ok: bool = False,
+    ) -> BatchMeta:
+        return await self._async(
+            ClientCore.get_by_keys, partition, list(keys),
+            None if fields is None else list(fields), list(row_ids), missing_ok,
+        )  # fmt: skip
+
     def list_keys(self, partition: str) -> list[str]:
         """Keys of the partition's visible rows, in put order."""
         return self._sync(ClientCore.list_keys, partition)
 
     async def async_list_keys(self, partition: str) -> list[str]:
         return await self._async(ClientCore.list_keys, partition)
+
+    def list_rows(
+        self, partition: str | None = None, *, fields: Sequence[str] = (), task: str | None = None
+    ) -> dict[str, RowListing]:
+        """Every visible row of ``partition`` (None: of every partition), in put order: keys,
+        tags and where each is stored (``RowListing.meta``), whether ``fields`` are all written
+        (``ready``) and whether ``task`` has it leased or acked (``consumed``). A scan of the
+        partition at the controller, for bookkeeping and status checks, not for the data path."""
+        msg = ListRows(rid=0, partition=partition, fields=list(fields), task=task)
+        return self._sync(ClientCore.call, msg, RowsReply).rows
+
+    async def async_list_rows(
+        self, partition: str | None = None, *, fields: Sequence[str] = (), task: str | None = None
+    ) -> dict[str, RowListing]:
+        msg = ListRows(rid=0, partition=partition, fields=list(fields), task=task)
+        return (await self._async(ClientCore.call, msg, RowsReply)).rows
 
     # --- admission ---
     def admission(self, style: str, *, name: str = "default", **config: int) -> AdmissionHandle:
@@ -497,6 +662,17 @@ class Client:
 
     async def async_ack(self, meta: BatchMeta) -> int:
         return await self._async(ClientCore.ack, meta)
+
+    def reset_consumption(self, partition: str, task: str | None = None) -> int:
+        """Make every row ``task`` (None: every task) has leased or acked available to it again,
+        to read the data once more; its leases end (acking them later does nothing). Rows already
+        freed (every registered task acked them) are gone. Returns the rows given back."""
+        msg = ResetConsumption(rid=0, partition=partition, task=task)
+        return self._sync(ClientCore.call, msg).count
+
+    async def async_reset_consumption(self, partition: str, task: str | None = None) -> int:
+        msg = ResetConsumption(rid=0, partition=partition, task=task)
+        return (await self._async(ClientCore.call, msg)).count
 
     def release(self, meta: BatchMeta) -> int:
         """Give the leased rows back unconsumed; they keep their place in the order."""

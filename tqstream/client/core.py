@@ -93,12 +93,15 @@ def _store_message(
     token: str,
     min_shared: int,
     spares: list[Spare],
+    overwrite: bool = False,
 ) -> tuple[Store, list[memoryview]]:
     """The Store of one chunk: tensor bytes as frames, or written to the unit's shared memory
     (into one of its ``spares`` when one fits) when ``token`` names a reachable unit, the chunk
     has ``min_shared`` bytes or more, and /dev/shm has room."""
     refs, buffers = columns_to_wire(columns)
-    msg = Store(rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs)
+    msg = Store(
+        rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs, overwrite=overwrite
+    )
     if token and buffers and sum(memoryview(b).nbytes for b in buffers) >= min_shared:
         name = shm.chunk_segment(token, chunk)
         reused = shm.claim(spares, name, shm.segment_size(buffers))
@@ -301,7 +304,7 @@ class ClientCore:
     async def _ask(
         self,
         msg: Any,
-        expect: type,
+        expect: type | tuple[type, ...],
         *,
         conn: Connection | None = None,
         buffers: Sequence[Any] = (),
@@ -311,9 +314,11 @@ class ClientCore:
             timeout = self.config.request_timeout
         reply, frames = await (conn or self.controller).request(msg, buffers, timeout=timeout)
         if not isinstance(reply, expect):
+            wanted = " or ".join(
+                t.__name__ for t in (expect if isinstance(expect, tuple) else (expect,))
+            )
             raise InternalError(
-                f"expected {expect.__name__} in reply to {type(msg).__name__}, "
-                f"got {type(reply).__name__}"
+                f"expected {wanted} in reply to {type(msg).__name__}, got {type(reply).__name__}"
             )
         if expect is Columns:
             return reply, frames
@@ -390,19 +395,15 @@ class ClientCore:
         meta = reply.meta
         return msgspec.structs.replace(meta, rejected=req.rejected) if req.rejected else meta
 
-    async def put_fields(self, meta: BatchMeta, columns: dict[str, Column]) -> None:
-        plan: FieldsPlan = await self._ask(
-            PrepareFields(
-                rid=0,
-                partition=meta.partition,
-                row_ids=meta.row_ids,
-                schemas={k: c.schema for k, c in columns.items()},
-                nbytes=sum(c.nbytes for c in columns.values()),
-            ),
-            FieldsPlan,
-        )
+    async def write_fields(
+        self, req: PrepareFields, columns: dict[str, Column]
+    ) -> BatchMeta | None:
+        """A put_fields (rows named by id or, creating the missing ones, by key): plan, store on
+        each row's unit and its replica, commit; the rows' metadata when named by key."""
+        plan: FieldsPlan = await self._ask(req, FieldsPlan)
+        row_ids = plan.row_ids or req.row_ids
 
-        async def store() -> None:
+        async def store() -> BatchMeta | None:
             jobs = []
             for seg, pos in zip(plan.segments, plan.positions, strict=True):
                 if pos == list(range(pos[0], pos[0] + len(pos))):
@@ -410,12 +411,17 @@ class ClientCore:
                 else:
                     index = torch.tensor(pos, dtype=torch.int64)
                     part = {k: c.take(index) for k, c in columns.items()}
-                rows = [meta.row_ids[i] for i in pos]
-                jobs.append(self._store(meta.partition, seg.unit, seg.chunk, rows, part))
+                rows = [row_ids[i] for i in pos]
+                for unit in (seg.unit, seg.replica):
+                    if unit >= 0:
+                        jobs.append(
+                            self._store(req.partition, unit, seg.chunk, rows, part, req.overwrite)
+                        )
             await _all(jobs)
-            await self._ask(CommitPut(rid=0, put_id=plan.put_id), Ok)
+            reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), (Ok, MetaReply))
+            return reply.meta if isinstance(reply, MetaReply) else None
 
-        await self._committed(plan.put_id, store())
+        return await self._committed(plan.put_id, store())
 
     def _is_down(self, unit: int) -> bool:
         task = self._units.get(unit)
@@ -424,13 +430,19 @@ class ClientCore:
         return task.exception() is not None or task.result().down
 
     async def _store(
-        self, partition: str, unit: int, chunk: int, rows: list[int], part: dict[str, Column]
+        self,
+        partition: str,
+        unit: int,
+        chunk: int,
+        rows: list[int],
+        part: dict[str, Column],
+        overwrite: bool = False,
     ) -> None:
         """Store one chunk on ``unit``; a shared-memory store learns the unit's spares."""
         conn = await self._unit(unit)
         token, least = self._token(unit), self.config.shared_memory_min_bytes
         spares = self._spares.setdefault(unit, [])
-        msg, buffers = _store_message(partition, chunk, rows, part, token, least, spares)
+        msg, buffers = _store_message(partition, chunk, rows, part, token, least, spares, overwrite)
         reply: Ok = await self._ask(msg, Ok, conn=conn, buffers=buffers)
         if msg.shared:
             self._spares[unit] = list(reply.spare)
@@ -538,12 +550,22 @@ class ClientCore:
         return [(positions, {ref.name: column_from_wire(ref, frames) for ref in reply.columns})]
 
     async def get_by_keys(
-        self, partition: str, keys: list[str], fields: list[str] | None
+        self,
+        partition: str,
+        keys: list[str],
+        fields: list[str] | None,
+        row_ids: list[int] | None = None,
+        missing_ok: bool = False,
     ) -> BatchMeta:
-        reply = await self._ask(
-            GetByKeys(rid=0, partition=partition, keys=keys, fields=fields), MetaReply
+        msg = GetByKeys(
+            rid=0,
+            partition=partition,
+            keys=keys,
+            fields=fields,
+            row_ids=row_ids or [],
+            missing_ok=missing_ok,
         )
-        return reply.meta
+        return (await self._ask(msg, MetaReply)).meta
 
     async def list_keys(self, partition: str) -> list[str]:
         return (await self._ask(ListKeys(rid=0, partition=partition), KeysReply)).keys

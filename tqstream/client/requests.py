@@ -9,24 +9,96 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from tensordict import TensorDict
 
 from tqstream.client.batch import Window
 from tqstream.client.core import GET_GRACE
 from tqstream.client.versions import row_versions
-from tqstream.errors import BatchShapeError, InvalidRequestError
+from tqstream.errors import BatchShapeError, InvalidRequestError, TagError
 from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
 from tqstream.protocol.messages import (
+    MAX_TAG_LIST,
+    MAX_TAGS,
     CreatePartition,
     GetMeta,
     LoadCheckpoint,
+    PrepareFields,
     PreparePut,
     SaveCheckpoint,
+    UpsertRows,
 )
-from tqstream.types import BatchMeta
+from tqstream.types import BatchMeta, Tags
 
 PadValues = float | Mapping[str, float]
+
+
+MAX_TAG_BYTES = 64 << 10
+"""Encoded size of one row's tags: tags are bookkeeping the controller holds, not data."""
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def check_tags(tags: Sequence[Mapping[str, Any] | None] | None, n: int) -> list[Tags | None] | None:
+    """``tags`` as the wire carries them (one entry per row), or ``TagError`` saying what is
+    wrong: each entry is None or a flat mapping of str to a scalar (str, int, float, bool, None;
+    numpy scalars are converted) or a flat list of scalars."""
+    if tags is None:
+        return None
+    if isinstance(tags, (Mapping, str)) or not isinstance(tags, Sequence):
+        raise TagError(
+            f"tags must be a list with one mapping (or None) per row, got {type(tags).__name__}"
+        )
+    if len(tags) != n:
+        raise BatchShapeError(f"tags= has {len(tags)} entries but there are {n} rows", rows=n)
+    out: list[Tags | None] = []
+    for i, row in enumerate(tags):
+        if row is None:
+            out.append(None)
+            continue
+        if not isinstance(row, Mapping):
+            raise TagError(
+                f"tags of row {i} must be a mapping of str to scalars, got {type(row).__name__}",
+                row=i,
+            )
+        if len(row) > MAX_TAGS:
+            raise TagError(
+                f"tags of row {i} have {len(row)} entries, at most {MAX_TAGS} are kept per row; "
+                f"store larger per-row data as a field",
+                row=i,
+            )
+        clean: Tags = {}
+        for key, value in row.items():
+            if not isinstance(key, str):
+                raise TagError(f"tag names must be str, row {i} has {key!r}", row=i)
+            clean[key] = _tag_value(i, key, value)
+        if len(msgspec.msgpack.encode(clean)) > MAX_TAG_BYTES:
+            raise TagError(
+                f"tags of row {i} take more than {MAX_TAG_BYTES} bytes; tags are small "
+                f"bookkeeping kept by the controller: store the data as a field",
+                row=i,
+            )
+        out.append(clean)
+    return out
+
+
+def _tag_value(row: int, key: str, value: Any) -> Any:
+    if isinstance(value, np.generic) and not isinstance(value, np.object_):
+        value = value.item()
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, (list, tuple)) and len(value) <= MAX_TAG_LIST:
+        items = [v.item() if isinstance(v, np.generic) else v for v in value]
+        if all(isinstance(v, _SCALARS) for v in items):
+            return items
+    what = type(value).__name__
+    hint = " (.item() gives its number)" if isinstance(value, torch.Tensor) else ""
+    raise TagError(
+        f"tag {key!r} of row {row} is a {what}{hint}; a tag is a scalar (str, int, float, bool, "
+        f"None) or a flat list of at most {MAX_TAG_LIST} scalars: store anything else as a field",
+        row=row,
+        tag=key,
+    )
 
 
 def encode_put(
@@ -40,9 +112,11 @@ def encode_put(
     versions_field: str | None,
     reject_mixed_versions: bool,
     timeout: float | None,
+    tags: Sequence[Mapping[str, Any] | None] | None = None,
 ) -> tuple[PreparePut, dict[str, Column]]:
     """Encode the batch into columns and the prepare request (in the caller's thread)."""
     n, columns = columns_from_data(data)
+    wire_tags = check_tags(tags, n)
     for name, seq in (("keys", keys), ("groups", groups)):
         if seq is not None and len(seq) != n:
             raise BatchShapeError(
@@ -87,7 +161,7 @@ def encode_put(
             columns = {k: c.take(index) for k, c in columns.items()}
             pick = lambda seq: None if seq is None else [seq[i] for i in keep]  # noqa: E731
             keys, groups, dispatch = pick(keys), pick(groups), pick(dispatch)
-            starts, ends = pick(starts), pick(ends)
+            starts, ends, wire_tags = pick(starts), pick(ends), pick(wire_tags)
             n = len(keep)
     req = PreparePut(
         rid=0,
@@ -104,8 +178,93 @@ def encode_put(
         dispatch_version=dispatch,
         rejected=rejected,
         timeout=timeout,
+        tags=wire_tags,
     )
     return req, columns
+
+
+def check_keys(keys: Any) -> list[str]:
+    if isinstance(keys, str) or not isinstance(keys, Sequence):
+        raise InvalidRequestError(f"keys must be a list of str, got {type(keys).__name__}")
+    bad = [k for k in keys if not isinstance(k, str)]
+    if bad:
+        raise InvalidRequestError(f"keys must be strings, got {type(bad[0]).__name__} {bad[0]!r}")
+    if not keys:
+        raise InvalidRequestError("keys= is empty: name at least one row")
+    return list(keys)
+
+
+def upsert_message(
+    partition: str,
+    keys: Sequence[str],
+    tags: Sequence[Mapping[str, Any] | None] | None,
+    create: bool,
+) -> UpsertRows:
+    names = check_keys(keys)
+    return UpsertRows(
+        rid=0, partition=partition, keys=names, tags=check_tags(tags, len(names)), create=create
+    )
+
+
+def tags_message(meta: BatchMeta, tags: Sequence[Mapping[str, Any] | None]) -> UpsertRows:
+    return UpsertRows(
+        rid=0,
+        partition=meta.partition,
+        keys=[],
+        tags=check_tags(tags, len(meta)),
+        create=False,
+        row_ids=list(meta.row_ids),
+    )
+
+
+def fields_request(
+    partition: str,
+    columns: dict[str, Column],
+    *,
+    row_ids: Sequence[int] = (),
+    keys: Sequence[str] | None = None,
+    tags: Sequence[Mapping[str, Any] | None] | None = None,
+    create: bool = False,
+    overwrite: bool = False,
+    version: int | None = None,
+    versions_field: str | None = "versions",
+) -> PrepareFields:
+    """The request of a ``put_fields`` (rows by id) or ``put_by_keys`` (rows by key), in the
+    caller's thread: the rows' policy versions come from a per-token versions field or
+    ``version``, as for a put."""
+    n = len(keys) if keys is not None else len(row_ids)
+    starts = ends = None
+    if versions_field is not None and versions_field in columns:
+        starts, ends = row_versions(versions_field, columns[versions_field], version)
+    elif version is not None:
+        starts = ends = [version] * n
+    return PrepareFields(
+        rid=0,
+        partition=partition,
+        row_ids=list(row_ids),
+        schemas={k: c.schema for k, c in columns.items()},
+        nbytes=sum(c.nbytes for c in columns.values()),
+        keys=keys if keys is None else list(keys),
+        create=create,
+        overwrite=overwrite,
+        tags=check_tags(tags, n),
+        version_start=starts,
+        version_end=ends,
+    )
+
+
+def keyed_columns(keys: Sequence[str], data: Any) -> tuple[list[str], dict[str, Column]]:
+    """The keys and columns of ``put_by_keys`` with data: one row of data per key."""
+    names = check_keys(keys)
+    n, columns = columns_from_data(data)
+    if n != len(names):
+        raise BatchShapeError(
+            f"put_by_keys got {n} rows of data for {len(names)} keys; pass one row per key, in "
+            f"the keys' order",
+            rows=n,
+            expected=len(names),
+        )
+    return names, columns
 
 
 def encode_fields(meta: BatchMeta, data: Any) -> dict[str, Column]:

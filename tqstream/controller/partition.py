@@ -13,6 +13,7 @@ every view (see ``views.py``) exact, so selection never rescans.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from tqstream.controller.views import GroupKey, GroupView, ReadyView
 from tqstream.errors import (
@@ -20,6 +21,7 @@ from tqstream.errors import (
     GroupError,
     SchemaError,
     UnknownFieldError,
+    UnknownKeyError,
 )
 from tqstream.types import FieldSchema, TaskStats
 
@@ -35,6 +37,7 @@ class Row:
         "pending",
         "ready_seq",
         "replica",
+        "tags",
         "unit",
         "version_end",
         "version_start",
@@ -59,6 +62,15 @@ class Row:
         self.committed = False
         self.ready_seq = 0
         self.writes: list[tuple[int, int]] = []  # (mask, seq) of each committed write
+        self.tags: dict[str, Any] | None = None  # the user's small per-row bookkeeping
+
+    def merge_tags(self, tags: dict[str, Any] | None) -> None:
+        """Tags are merged key by key: a later write of ``{"status": ...}`` keeps the others."""
+        if tags:
+            if self.tags is None:
+                self.tags = dict(tags)
+            else:
+                self.tags.update(tags)
 
 
 class Group:
@@ -160,6 +172,22 @@ class Partition:
             self.schemas.setdefault(name, schema)
             mask |= self._bit(name)
         return mask
+
+    def common_fields(self, rows: Iterable[Row]) -> list[str]:
+        """The fields every one of ``rows`` has written, in the order the partition knows them."""
+        common = ~0
+        for r in rows:
+            common &= r.written
+        return [f for f, bit in self.bits.items() if common & bit]
+
+    def unknown_keys(self, missing: Sequence[str], asked: int) -> UnknownKeyError:
+        shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        return UnknownKeyError(
+            f"{len(missing)} of {asked} keys are not in partition {self.name!r}: {shown}",
+            partition=self.name,
+            count=len(missing),
+            keys=list(missing[:5]),
+        )
 
     def forget_unused_schemas(self, fields: Iterable[str], still_pending: set[str]) -> None:
         """After an aborted write: a schema fixed by it alone was never really written."""
@@ -273,7 +301,8 @@ class Partition:
             r.committed = True
             r.written = mask
             r.ready_seq = seq
-            r.writes.append((mask, seq))
+            if mask:  # a row created without fields gets its first write later
+                r.writes.append((mask, seq))
         self._count(mask, len(rows))
         for (_, vmask), v in self.views.items():
             if mask & vmask == vmask:
@@ -290,12 +319,13 @@ class Partition:
             self._write(r, mask)
 
     def _write(self, r: Row, mask: int) -> None:
+        """Fields of ``mask`` written (or, overwritten, written again) for committed row ``r``."""
         old = r.written
         r.written = new = old | mask
         self.seq += 1
         r.ready_seq = self.seq
         r.writes.append((mask, self.seq))
-        self._count(mask, 1)
+        self._count(mask & ~old, 1)
         for (task, vmask), v in self.views.items():
             if (old & vmask) != vmask and (new & vmask) == vmask and self._available(r, task):
                 v.add(r.id, r.ready_seq)
@@ -399,6 +429,21 @@ class Partition:
                 t.acked.add(rid)
                 n += 1
         t.consumed += n
+        return n
+
+    def reset(self, task: str) -> int:
+        """Every row ``task`` leased or acked is available to it again (its views are rebuilt by
+        the next request that needs them: one scan). Returns how many rows that was."""
+        t = self.tasks.get(task)
+        if t is None:
+            return 0
+        n = len(t.leased) + len(t.acked)
+        t.leased.clear()
+        t.acked.clear()
+        for key in [k for k in self.views if k[0] == task]:
+            del self.views[key]
+        for key in [k for k in self.group_views if k[0] == task]:
+            del self.group_views[key]
         return n
 
     def release(self, task: str, rows: Iterable[int]) -> int:

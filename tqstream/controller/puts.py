@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.partition import Partition, Row
@@ -21,6 +22,7 @@ from tqstream.controller.records import Effects, PendingPut
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     CapacityError,
+    DuplicateKeyError,
     FieldExistsError,
     InvalidRequestError,
     PartitionClearedError,
@@ -48,6 +50,7 @@ class Puts:
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     finished_puts: OrderedDict[int, str]
     put_timeout: float
+    max_rows: int
     now: float
     outbox: Effects
     _ids: itertools.count[int]
@@ -89,7 +92,7 @@ class Puts:
                 f"a put needs at least one row and one field (got "
                 f"{req.n_rows} rows, {len(req.schemas)} fields)"
             )
-        for name, seq in (("keys", req.keys), ("groups", req.groups)):
+        for name, seq in (("keys", req.keys), ("groups", req.groups), ("tags", req.tags)):
             if seq is not None and len(seq) != req.n_rows:
                 raise InvalidRequestError(
                     f"{name}= has {len(seq)} entries but the put has {req.n_rows} rows"
@@ -105,6 +108,7 @@ class Puts:
                 raise InvalidRequestError(
                     f"{vname} has {len(vseq)} entries but the put has {req.n_rows} rows"
                 )
+        self._check_rows(req.partition, req.n_rows)
         if pinned is None:
             runs = self.units.place(req.n_rows, req.nbytes, self.replicas_of(req.partition))
         else:
@@ -149,6 +153,8 @@ class Puts:
                 del self.partitions[req.partition]
             raise
         for i, r in enumerate(rows):
+            if req.tags is not None:
+                r.merge_tags(req.tags[i])
             if req.version_start is not None:
                 r.version_start = req.version_start[i]
             if req.version_end is not None:
@@ -176,30 +182,57 @@ class Puts:
         )
 
     def prepare_fields(self, req: PrepareFields, now: float, owner: Any = None) -> FieldsPlan:
-        """Plan a put_fields: new columns for committed rows, each stored where its row is (and
-        on its replica). ``owner``: the requester's peer (its put is aborted if it goes away)."""
-        p = self.partition(req.partition)
-        if not req.row_ids or not req.schemas:
+        """Plan a put_fields: new columns (or, with ``overwrite``, new values) for committed rows,
+        each stored where its row is (and on its replica). Rows named by key that do not exist
+        are created with ``create`` (placed like a put's rows, visible at the commit). ``owner``:
+        the requester's peer (its put is aborted if it goes away). Nothing changes on error."""
+        named: list[Any] = req.keys if req.keys is not None else req.row_ids
+        if not named or not req.schemas:
             raise InvalidRequestError("put_fields needs at least one row and one field")
-        if len(set(req.row_ids)) < len(req.row_ids):
-            twice = next(r for i, r in enumerate(req.row_ids) if r in req.row_ids[:i])
+        for what, seq in (
+            ("tags", req.tags),
+            ("version_start", req.version_start),
+            ("version_end", req.version_end),
+        ):
+            if seq is not None and len(seq) != len(named):
+                raise InvalidRequestError(
+                    f"{what}= has {len(seq)} entries but the write names {len(named)} rows"
+                )
+        if len(set(named)) < len(named):
+            twice = next(r for i, r in enumerate(named) if r in named[:i])
             raise InvalidRequestError(
-                f"put_fields names row {twice} more than once; a field is written once per row",
+                f"put_fields names row {twice!r} more than once; a field is written once per row",
                 row=twice,
             )
-        rows = self._rows(p, req.row_ids)
-        for name, _schema in req.schemas.items():
-            bit = p.bits.get(name, 0)
-            taken = [r.key for r in rows if (r.written | r.pending) & bit]
-            if taken:
-                raise FieldExistsError(
-                    f"field {name!r} is already written (or being written) for {len(taken)} of the "
-                    f"{len(rows)} rows in partition {req.partition!r} (e.g. key {taken[0]!r}); "
-                    f"fields cannot be overwritten: write the new values under another name",
-                    field=name,
-                    rows=len(taken),
-                )
+        p = self.partitions.get(req.partition)
+        if p is None and req.keys is not None and req.create:
+            p = Partition(req.partition, "")  # every key is new: validated against nothing
+        elif p is None:
+            p = self.partition(req.partition)  # raises
+        if req.keys is None:
+            old: list[Row | None] = list(self._rows(p, req.row_ids))
+            new_keys: list[str] = []
+        else:
+            old, new_keys = self._rows_by_key(p, req.keys, req.create)
+        self._check_writable(p, req, [r for r in old if r is not None], len(named))
+        if new_keys and p.closed:
+            raise PartitionClosedError(
+                f"partition {req.partition!r} is closed: it takes no new rows ({len(new_keys)} "
+                f"keys of this write do not exist in it)",
+                partition=req.partition,
+            )
+        self._check_rows(req.partition, len(new_keys))
+        runs = self._place_new(req.partition, len(new_keys))
+        if req.partition not in self.partitions:
+            self.create_partition(req.partition, [])
+            p = self.partitions[req.partition]
         mask = p.check_schemas(req.schemas)
+        created = p.reserve_rows(len(new_keys), new_keys, None, None, None, frozenset())
+        for unit, replica, start, stop in runs:
+            for r in created[start:stop]:
+                r.unit, r.replica = unit, replica
+        fresh = iter(created)
+        rows = [next(fresh) if r is None else r for r in old]
         by_unit: dict[tuple[int, int], list[int]] = {}
         for i, r in enumerate(rows):
             r.pending |= mask
@@ -218,7 +251,95 @@ class Puts:
         put = self._add_pending(
             req.partition, rows, mask, list(req.schemas), segments, False, per_row, now, owner
         )
-        return FieldsPlan(rid=req.rid, put_id=put.put_id, segments=segments, positions=positions)
+        put.created = {r.id for r in created}
+        put.tags = req.tags
+        put.overwrite = req.overwrite
+        if req.version_start is not None or req.version_end is not None:
+            starts = req.version_start or req.version_end or []
+            put.versions = (starts, req.version_end or starts)
+        put.keyed = req.keys is not None
+        return FieldsPlan(
+            rid=req.rid,
+            put_id=put.put_id,
+            segments=segments,
+            positions=positions,
+            row_ids=[r.id for r in rows] if put.keyed else [],
+        )
+
+    def _check_writable(self, p: Partition, req: PrepareFields, rows: list[Row], n: int) -> None:
+        """Refuse a write of fields the rows have (unless ``overwrite``) or that another write in
+        flight is writing."""
+        for name in req.schemas:
+            bit = p.bits.get(name, 0)
+            if req.overwrite:
+                taken = [r.key for r in rows if r.pending & bit]
+                what, advice = "being written by another put_fields in flight", "retry once it ends"
+            else:
+                taken = [r.key for r in rows if (r.written | r.pending) & bit]
+                what = "already written (or being written)"
+                advice = "fields cannot be overwritten: write the new values under another name"
+                if req.keys is not None:
+                    advice += " (or pass overwrite=True)"
+            if taken:
+                raise FieldExistsError(
+                    f"field {name!r} is {what} for {len(taken)} of the {n} rows in "
+                    f"partition {req.partition!r} (e.g. key {taken[0]!r}); {advice}",
+                    field=name,
+                    rows=len(taken),
+                )
+
+    def _check_rows(self, partition: str, n: int) -> None:
+        """Refuse ``n`` new rows beyond the cluster's ``max_rows``."""
+        if not self.max_rows or not n:
+            return
+        held = sum(len(p.rows) for p in self.partitions.values())
+        if held + n > self.max_rows:
+            raise CapacityError(
+                f"the cluster holds {held} rows and max_rows={self.max_rows}: {n} more rows for "
+                f"partition {partition!r} do not fit; clear or consume rows first, or raise "
+                f"max_rows (TransferQueue's total_storage_size)",
+                rows=held,
+                max_rows=self.max_rows,
+            )
+
+    def _place_new(self, partition: str, n: int) -> list[tuple[int, int, int, int]]:
+        """Units for ``n`` rows created without data yet (their fields follow them there)."""
+        if not n:
+            return []
+        runs = self.units.place(n, 0, self.replicas_of(partition))
+        if runs is None:
+            raise CapacityError(
+                f"no live storage unit of partition {partition!r} is under its byte quota, so "
+                f"{n} new rows cannot be placed; free room (ack or clear rows) or raise "
+                f"--storage-max-bytes",
+                partition=partition,
+                rows=n,
+            )
+        return runs
+
+    def _rows_by_key(
+        self, p: Partition, keys: Sequence[str], create: bool
+    ) -> tuple[list[Row | None], list[str]]:
+        """The committed rows of ``keys`` (None for keys to create) and the keys to create; a key
+        that does not exist without ``create``, or that a put in flight is creating, raises."""
+        rows: list[Row | None] = []
+        new: list[str] = []
+        for k in keys:
+            rid = p.keys.get(k)
+            r = p.rows[rid] if rid is not None else None
+            if r is not None and not r.committed:
+                raise DuplicateKeyError(
+                    f"key {k!r} of partition {p.name!r} is being created by a put in flight; "
+                    f"write to it once that put has committed",
+                    partition=p.name,
+                    count=1,
+                )
+            rows.append(r)
+            if r is None:
+                new.append(k)
+        if new and not create:
+            raise p.unknown_keys(new, len(keys))
+        return rows, new
 
     def _add_pending(
         self,
@@ -275,16 +396,39 @@ class Puts:
             if p.ttl is not None:
                 self._at(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
         else:
-            gone = [r.id for r in put.rows if r.id not in p.rows]  # cleared while in flight
-            if gone:
-                unit_rows = effects.drop_rows
-                for r in put.rows:
-                    if r.id not in p.rows:
-                        unit_rows.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
-            p.commit_fields([r for r in put.rows if r.id in p.rows], put.mask)
+            unit_rows = effects.drop_rows
+            for r in put.rows:  # cleared while in flight: the unit drops what it stored
+                if r.id not in put.created and p.rows.get(r.id) is not r:
+                    for u in (r.unit, r.replica):
+                        if u >= 0:
+                            unit_rows.setdefault(u, {}).setdefault(p.name, []).append(r.id)
+            live = [r for r in put.rows if p.rows.get(r.id) is r]
+            if put.tags is not None:
+                for r, tags in zip(put.rows, put.tags, strict=True):
+                    r.merge_tags(tags)
+            if put.versions is not None:  # rows that have none take the write's
+                for r, start, end in zip(put.rows, *put.versions, strict=True):
+                    if r.version_start is None and r.version_end is None:
+                        r.version_start = r.dispatch_version = start
+                        r.version_end = end
+            p.commit_fields([r for r in live if r.id not in put.created], put.mask)
+            if put.overwrite:
+                for unit, chunk in put.chunks:
+                    effects.publish.setdefault(unit, []).append(chunk)
+            if put.created:  # after the rows that existed: the order of first readiness
+                fresh = [r for r in live if r.id in put.created]
+                for r in fresh:
+                    r.pending &= ~put.mask
+                p.commit_rows(fresh, put.mask)
+                p.produced += len(fresh)
+                if p.ttl is not None:
+                    self._at(now + p.ttl, "ttl", (p, [r.id for r in fresh]))
         self._serve_parked(put.partition, effects, now)
-        meta = self._meta(p, put.rows, put.fields) if put.new_rows else None
-        return meta, effects
+        if put.new_rows:
+            return self._meta(p, put.rows, put.fields), effects
+        if put.keyed:
+            return self._meta(p, put.rows, p.common_fields(put.rows)), effects
+        return None, effects
 
     def put_stored(
         self,
@@ -347,9 +491,11 @@ class Puts:
             for r in p.remove_rows([r.id for r in put.rows]):
                 self._charge(r, -r.nbytes)
         else:
+            for r in p.remove_rows([rid for rid in put.created if rid in p.rows]):
+                self._charge(r, -r.nbytes)
             for r in put.rows:
                 if p.rows.get(r.id) is not r:
-                    continue  # cleared since: clear_samples freed its bytes, this put's included
+                    continue  # cleared (or created by this put) : its bytes are uncharged already
                 r.pending &= ~put.mask
                 r.nbytes -= put.per_row
                 self._charge(r, -put.per_row)

@@ -62,6 +62,8 @@ class Effects:
     replies: list[tuple[Any, msgspec.Struct]] = dataclasses.field(default_factory=list)
     # (unit, first chunk id after its revival): the unit drops every older chunk it holds
     reset_units: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # unit -> chunks of committed overwrites: their staged values replace the old ones
+    publish: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     def extend(self, other: Effects) -> None:
         self.served += other.served
@@ -75,6 +77,8 @@ class Effects:
         self.drop_partitions += other.drop_partitions
         self.replies += other.replies
         self.reset_units += other.reset_units
+        for unit, chunks in other.publish.items():
+            self.publish.setdefault(unit, []).extend(chunks)
 
     def __bool__(self) -> bool:
         return bool(
@@ -85,6 +89,7 @@ class Effects:
             or self.drop_partitions
             or self.replies
             or self.reset_units
+            or self.publish
         )
 
 
@@ -101,6 +106,12 @@ class PendingPut:
     cancelled: bool = False  # its partition was cleared: only its chunks remain to drop
     rejected: int = 0  # rows the producer refused; counted when the put commits, like produced
     owner: Any = None  # the producer's peer: its put is aborted when it disconnects
+    # a put_fields by key: the rows it creates (committed with its fields, or removed with it)
+    created: set[int] = dataclasses.field(default_factory=set)
+    tags: list[Any] | None = None  # per row of ``rows``, tags merged in at the commit
+    keyed: bool = False  # a put_fields by key: its commit answers with the rows' metadata
+    versions: tuple[list[int | None], list[int | None]] | None = None  # (starts, ends) per row
+    overwrite: bool = False  # its chunks are published to the units at the commit
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -52,23 +53,28 @@ from tqstream.protocol.messages import (
     GetUnitStats,
     KeysReply,
     ListKeys,
+    ListRows,
     LoadCheckpoint,
     MetaReply,
     Ok,
     PrepareFields,
     PreparePut,
+    Publish,
     PutStored,
     Registered,
     RegisterUnit,
     Release,
     ReleaseSlots,
+    ResetConsumption,
     ResetUnit,
+    RowsReply,
     SaveCheckpoint,
     Slots,
     StatsReply,
     StoredReply,
     StoredResults,
     UnitStatsReply,
+    UpsertRows,
 )
 from tqstream.protocol.server import Responder, Server
 from tqstream.protocol.transport import error_reply, shared_context
@@ -128,6 +134,7 @@ class ControllerService:
             lease_timeout=config.lease_timeout,
             put_timeout=config.put_timeout,
             replicas=config.replicas,
+            max_rows=config.max_rows,
         )
         self.metrics: Metrics | None = None
         if config.metrics_port:  # first: the socket below would stay bound if this failed
@@ -148,6 +155,7 @@ class ControllerService:
                 inproc=inproc,
                 on_disconnect=self._peer_gone,
                 keys=self.keys,
+                cluster=secrets.token_hex(8),
             )
         except BaseException:
             if self.metrics is not None:
@@ -221,10 +229,12 @@ class ControllerService:
                     return s.prepare_fields(msg, now, responder.peer)
                 case CommitPut():
                     meta, effects = s.commit(msg.put_id, now)
-                    self._apply(effects)
+                    orders = self._apply(effects)
                     if s.finished_puts.get(msg.put_id) == "cleared":
                         raise s.put_error(msg.put_id)
-                    return Ok(rid=msg.rid) if meta is None else MetaReply(rid=msg.rid, meta=meta)
+                    reply = Ok(rid=msg.rid) if meta is None else MetaReply(rid=msg.rid, meta=meta)
+                    # an overwrite is seen by every reader once its units have published it
+                    return self._after(orders, reply) if effects.publish else reply
                 case AbortPut():
                     self._apply(s.abort(msg.put_id))
                     return Ok(rid=msg.rid)
@@ -236,10 +246,22 @@ class ControllerService:
                     self._apply(effects)
                     return Ok(rid=msg.rid, count=n)
                 case GetByKeys():
-                    meta = s.get_by_keys(msg.partition, msg.keys, msg.fields)
+                    meta = s.get_by_keys(
+                        msg.partition, msg.keys, msg.fields, msg.row_ids, msg.missing_ok
+                    )
                     return MetaReply(rid=msg.rid, meta=meta)
                 case ListKeys():
                     return KeysReply(rid=msg.rid, keys=s.list_keys(msg.partition))
+                case UpsertRows():
+                    meta = s.upsert_rows(msg.partition, msg.keys, msg.tags, msg.create, msg.row_ids)
+                    return MetaReply(rid=msg.rid, meta=meta)
+                case ListRows():
+                    return RowsReply(
+                        rid=msg.rid, rows=s.list_rows(msg.partition, msg.fields, msg.task)
+                    )
+                case ResetConsumption():
+                    n = s.reset_consumption(msg.partition, msg.task, now)
+                    return Ok(rid=msg.rid, count=n)
                 case CreatePartition():
                     s.create_partition(
                         msg.partition, msg.fields, msg.tasks, msg.ttl, msg.admission,
@@ -308,6 +330,8 @@ class ControllerService:
                 jobs.append((unit, DropRows(rid=0, partition=partition, row_ids=rows)))
         for unit, chunks in effects.drop_chunks.items():
             jobs.append((unit, DropChunks(rid=0, chunks=chunks)))
+        for unit, chunks in effects.publish.items():
+            jobs.append((unit, Publish(rid=0, chunks=chunks)))
         for partition, before in effects.drop_partitions:
             order = DropPartition(rid=0, partition=partition, before_chunk=before)
             jobs.extend((u, order) for u in range(len(self.units)))
@@ -329,13 +353,13 @@ class ControllerService:
 
     def _drain(self, rid: int, effects: Effects, count: int) -> Any:
         """Reply only once the storage units have freed the bytes (so stats are exact after)."""
-        tasks = self._apply(effects)
+        return self._after(self._apply(effects), Ok(rid=rid, count=count))
 
-        async def wait() -> Ok:
-            await asyncio.gather(*tasks)
-            return Ok(rid=rid, count=count)
-
-        return wait()
+    @staticmethod
+    async def _after(tasks: list[asyncio.Task[Any]], reply: Any) -> Any:
+        """``reply`` once the storage units carried out ``tasks`` (their failures propagate)."""
+        await asyncio.gather(*tasks)
+        return reply
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name="tqstream-controller-order")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -66,6 +67,7 @@ class RowsTable(msgspec.Struct, frozen=True):
     written: list[Mask]
     ready_seq: list[int]
     writes: list[list[tuple[Mask, int]]]
+    tags: list[dict[str, Any] | None] = []  # [] when no row has tags
 
 
 class GroupEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -186,7 +188,8 @@ def take(state: ControllerState, now: float) -> Taken:
     for p in state.partitions.values():
         rows = [r for r in p.rows.values() if r.committed]
         for r in rows:
-            by_unit.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
+            if r.written:  # a row without fields (only a key and tags) has nothing stored
+                by_unit.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
         parts.append(_partition(p, rows, extra, ttls.get(p.name, [])))
     admissions = []
     for name, (adm, style, config) in state.admissions.items():
@@ -218,6 +221,7 @@ def _partition(
         written=[_mask_out(r.written) for r in rows],
         ready_seq=[r.ready_seq for r in rows],
         writes=[[(_mask_out(m), s) for m, s in r.writes] for r in rows],
+        tags=[r.tags for r in rows] if any(r.tags for r in rows) else [],
     )
     groups = []
     for name, g in p.groups.items():
@@ -362,7 +366,9 @@ def prepare(state: ControllerState, snap: ControllerSnapshot, where: Placement) 
             if (f.partition, rid) in unit_of:
                 raise _corrupt(f"row {rid} of partition {f.partition!r} is in two files")
             unit_of[f.partition, rid] = (unit, replica)
-    built = [_build(entry, unit_of) for entry in snap.partitions]
+    live = state.units.live()
+    bare = (live[0] if live else -1, -1)  # the unit of rows without fields (nothing to load)
+    built = [_build(entry, unit_of, bare) for entry in snap.partitions]
     used = {u for pair in where for u in pair if u >= 0}
     losses = {u: state.units.losses[u] for u in used}
     return Prepared(snap, built, [_admission(entry) for entry in snap.admissions], losses)
@@ -427,13 +433,13 @@ def _corrupt(problem: str) -> CheckpointCorruptError:
 
 
 def _build(
-    e: PartitionEntry, unit_of: dict[tuple[str, int], tuple[int, int]]
+    e: PartitionEntry, unit_of: dict[tuple[str, int], tuple[int, int]], bare: tuple[int, int]
 ) -> tuple[Partition, list[TtlEntry]]:
     t = e.rows
     n = len(t.ids)
     columns = (t.keys, t.groups, t.nbytes, t.version_start, t.version_end, t.dispatch_version,
                t.written, t.ready_seq, t.writes)  # fmt: skip
-    if any(len(c) != n for c in columns):
+    if any(len(c) != n for c in columns) or (t.tags and len(t.tags) != n):
         raise _corrupt(f"partition {e.name!r} has row lists of different lengths")
     if len(set(e.fields)) != len(e.fields):
         raise _corrupt(f"partition {e.name!r} lists a field twice")
@@ -443,6 +449,8 @@ def _build(
     p.schemas = dict(e.schemas)
     for i, rid in enumerate(t.ids):
         where = unit_of.get((e.name, rid))
+        if where is None and not _mask_in(t.written[i]) and bare[0] >= 0:
+            where = bare
         if where is None:
             raise _corrupt(f"row {rid} of partition {e.name!r} is in no storage unit's file")
         if not 0 <= rid < e.next_row or rid in p.rows or t.keys[i] in p.keys:
@@ -453,8 +461,10 @@ def _build(
         r.dispatch_version = t.dispatch_version[i]
         r.written = _mask_in(t.written[i])
         r.writes = [(_mask_in(m), s) for m, s in t.writes[i]]
-        if not r.written or r.written & ~full or any(m & ~full for m, _ in r.writes):
+        if r.written & ~full or any(m & ~full for m, _ in r.writes):
             raise _corrupt(f"row {rid} of partition {e.name!r} names fields it does not have")
+        if t.tags:
+            r.tags = t.tags[i]
         r.committed, r.ready_seq = True, t.ready_seq[i]
         p.rows[rid] = r
         p.keys[r.key] = rid

@@ -47,9 +47,10 @@ from tqstream.errors import (
     LeaseExpiredError,
     NotReadyError,
     PartitionClearedError,
+    PartitionClosedError,
     PartitionDrainedError,
     RequestTimeoutError,
-    UnknownKeyError,
+    UnknownFieldError,
     UnknownLeaseError,
     UnknownPartitionError,
     UnknownRowError,
@@ -59,16 +60,22 @@ from tqstream.protocol.messages import (
     GetMeta,
     PreparePut,
 )
-from tqstream.types import BatchMeta, PartitionStats
+from tqstream.types import BatchMeta, PartitionStats, RowListing
 
 
 class ControllerState(Puts, FlowControl, Faults, Deadlines):
     def __init__(
-        self, *, lease_timeout: float = 300.0, put_timeout: float = 60.0, replicas: int = 1
+        self,
+        *,
+        lease_timeout: float = 300.0,
+        put_timeout: float = 60.0,
+        replicas: int = 1,
+        max_rows: int = 0,
     ) -> None:
         self.lease_timeout = lease_timeout
         self.put_timeout = put_timeout
         self.replicas = replicas  # copies of each row, for partitions that do not say
+        self.max_rows = max_rows  # rows held at most, over every partition; 0: no cap
         self.partitions: dict[str, Partition] = {}
         self.units = UnitTable()
         # handle -> (put, since, the unit holding a stored put's data or None)
@@ -297,22 +304,40 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         for waiting in self.parked.values():
             waiting.pop(handle, None)
 
-    def get_by_keys(self, partition: str, keys: list[str], fields: list[str] | None) -> BatchMeta:
+    def get_by_keys(
+        self,
+        partition: str,
+        keys: list[str],
+        fields: list[str] | None,
+        row_ids: list[int] | None = None,
+        missing_ok: bool = False,
+    ) -> BatchMeta:
+        """The rows of ``keys`` (or, without keys, of ``row_ids``) in that order, with ``fields``
+        (None: the fields they all have). Rows that do not exist raise, or with ``missing_ok``
+        are left out (and a partition that does not exist gives an empty batch)."""
+        p = self.partitions.get(partition)
+        if p is None and missing_ok:
+            return BatchMeta(partition, [], [], [], [], [], [], [], {})
         p = self.partition(partition)
-        missing = [k for k in keys if k not in p.keys or not p.rows[p.keys[k]].committed]
-        if missing:
-            shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise UnknownKeyError(
-                f"{len(missing)} of {len(keys)} keys are not in partition {partition!r}: {shown}",
+        if keys or not row_ids:
+            found = [p.rows.get(p.keys[k]) if k in p.keys else None for k in keys]
+            named: list[Any] = keys
+        else:
+            found = [p.rows.get(rid) for rid in row_ids]
+            named = row_ids
+        missing = [n for n, r in zip(named, found, strict=True) if r is None or not r.committed]
+        if missing and not missing_ok:
+            if named is keys:
+                raise p.unknown_keys(missing, len(keys))
+            raise UnknownRowError(
+                f"{len(missing)} of {len(named)} rows of partition {partition!r} do not exist "
+                f"(row ids {missing[:5]}): cleared since the metadata was obtained, or never put",
                 partition=partition,
                 count=len(missing),
             )
-        rows = [p.rows[p.keys[k]] for k in keys]
+        rows = [r for r in found if r is not None and r.committed]
         if fields is None:
-            common = ~0
-            for r in rows:
-                common &= r.written
-            fields = [f for f, bit in p.bits.items() if common & bit]
+            fields = p.common_fields(rows)
         p.mask_of(fields)  # unknown fields raise
         for f in fields:
             lacking = [r.key for r in rows if not r.written & p.bits[f]]
@@ -329,6 +354,106 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
     def list_keys(self, partition: str) -> list[str]:
         p = self.partition(partition)
         return [r.key for r in p.rows.values() if r.committed]
+
+    def upsert_rows(
+        self,
+        partition: str,
+        keys: list[str],
+        tags: list[Any] | None,
+        create: bool,
+        row_ids: list[int] | None = None,
+    ) -> BatchMeta:
+        """Merge ``tags`` into the rows of ``keys``; with ``create``, keys that do not exist become
+        rows without fields, placed on a unit like a put's rows (their fields, written later, go
+        there). Without keys, the rows are ``row_ids`` (which must exist). Returns the rows'
+        metadata with the fields they all have. Nothing changes on error."""
+        if not keys and row_ids:
+            named = self.partition(partition)
+            found = self._rows(named, row_ids)
+            if tags is not None and len(tags) != len(found):
+                raise InvalidRequestError(
+                    f"tags= has {len(tags)} entries but {len(found)} rows were named"
+                )
+            for r, t in zip(found, tags or [], strict=False):
+                r.merge_tags(t)
+            return self._meta(named, found, named.common_fields(found))
+        if tags is not None and len(tags) != len(keys):
+            raise InvalidRequestError(
+                f"tags= has {len(tags)} entries but {len(keys)} keys were given"
+            )
+        if len(set(keys)) < len(keys):
+            twice = next(k for i, k in enumerate(keys) if k in keys[:i])
+            raise InvalidRequestError(f"key {twice!r} is named more than once", key=twice)
+        p = self.partitions.get(partition)
+        if p is None and not create:
+            p = self.partition(partition)  # raises
+        old, new_keys = self._rows_by_key(p or Partition(partition, ""), keys, create)
+        self._check_rows(partition, len(new_keys))
+        runs = self._place_new(partition, len(new_keys))
+        if p is None:
+            self.create_partition(partition, [])
+            p = self.partitions[partition]
+        elif new_keys and p.closed:
+            raise PartitionClosedError(
+                f"partition {partition!r} is closed: it takes no new rows ({len(new_keys)} keys "
+                f"do not exist in it)",
+                partition=partition,
+            )
+        created = p.reserve_rows(len(new_keys), new_keys, None, None, None, frozenset())
+        for unit, replica, start, stop in runs:
+            for r in created[start:stop]:
+                r.unit, r.replica = unit, replica
+        p.commit_rows(created, 0)
+        p.produced += len(created)
+        if created and p.ttl is not None:
+            self._at(self.now + p.ttl, "ttl", (p, [r.id for r in created]))
+        fresh = iter(created)
+        rows = [next(fresh) if r is None else r for r in old]
+        if tags is not None:
+            for r, t in zip(rows, tags, strict=True):
+                r.merge_tags(t)
+        return self._meta(p, rows, p.common_fields(rows))
+
+    def list_rows(
+        self, partition: str | None, fields: list[str], task: str | None
+    ) -> dict[str, RowListing]:
+        """Every committed row of ``partition`` (None: of every partition), in put order, with
+        whether ``fields`` are written and ``task`` consumed it. A scan: O(rows)."""
+        names = [partition] if partition is not None else list(self.partitions)
+        out = {}
+        for name in names:
+            p = self.partition(name)
+            mask = p.mask_of(fields) if partition is not None else self._known_mask(p, fields)
+            rows = [r for r in p.rows.values() if r.committed]
+            t = p.tasks.get(task) if task is not None else None
+            out[name] = RowListing(
+                meta=self._meta(p, rows, fields if mask >= 0 else []),
+                ready=[mask >= 0 and (r.written & mask) == mask for r in rows],
+                consumed=[t is not None and (r.id in t.leased or r.id in t.acked) for r in rows],
+            )
+        return out
+
+    @staticmethod
+    def _known_mask(p: Partition, fields: list[str]) -> int:
+        """The mask of ``fields``, or -1 when ``p`` lacks one (listing every partition)."""
+        try:
+            return p.mask_of(fields)
+        except UnknownFieldError:
+            return -1
+
+    def reset_consumption(self, partition: str, task: str | None, now: float) -> int:
+        """Make every row ``task`` (None: every task) leased or acked available to it again;
+        its leases end (acking them later does nothing). Returns the rows given back."""
+        p = self.partition(partition)
+        tasks = [task] if task is not None else list(p.tasks)
+        n = 0
+        for name in tasks:
+            for lease in [q for q in self.leases.values() if q.partition == partition]:
+                if lease.task == name:
+                    self._end_lease(lease, "reset")
+            n += p.reset(name)
+        self._serve_parked(partition, self.outbox, now)
+        return n
 
     # --- consumption ---
     def ack(self, partition: str, task: str, lease_id: int, row_ids: list[int]) -> int:
@@ -391,7 +516,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
                 f"controller that has since restarted); get the rows again with get_meta",
                 lease_id=lease_id,
             )
-        if p is None or status == "cleared" or lease_id < p.born:
+        if p is None or status in ("cleared", "reset") or lease_id < p.born:
             return None, None
         if lease is not None and lease.rows.issuperset(row_ids):
             return lease, p
@@ -535,6 +660,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             lease_id=lease_id,
             dispatch_version=[r.dispatch_version for r in rows],
             replicas=[r.replica for r in rows] if any(r.replica >= 0 for r in rows) else [],
+            tags=[r.tags or {} for r in rows] if any(r.tags for r in rows) else [],
         )
 
     def stats(self, partition: str | None) -> dict[str, PartitionStats]:

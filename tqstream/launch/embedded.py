@@ -123,6 +123,7 @@ def init(
     keys: str | None = None,
     metrics_port: int | None = None,
     client_config: ClientConfig | None = None,
+    max_rows: int | None = None,
 ) -> Any:
     """Start an embedded controller and ``storage_units`` storage units; return a client.
 
@@ -132,7 +133,8 @@ def init(
     servers' TCP address (``client.address``, for other processes) then serves only peers holding
     it, while this client reaches them in-process, where no handshake applies. Closing the client
     stops them. ``metrics_port``: serve Prometheus metrics at ``http://127.0.0.1:PORT/metrics``
-    (docs/observability.md). Settings left as None come from ``TQSTREAM_*`` environment
+    (docs/observability.md). ``max_rows``: rows the cluster holds at most (puts beyond raise
+    CapacityError). Settings left as None come from ``TQSTREAM_*`` environment
     variables or the defaults in :mod:`tqstream.config`.
     """
     from tqstream.client.client import Client
@@ -147,6 +149,7 @@ def init(
         port=0,
         keys=keys,
         metrics_port=metrics_port,
+        max_rows=max_rows,
     )
     if cc.keys:
         ensure_keys(cc.keys)  # made here, once: the servers only load it

@@ -44,6 +44,7 @@ __all__ = [
     "columns_from_data",
     "decode_objects",
     "dtype_name",
+    "jagged",
     "to_tensordict",
     "torch_dtype",
 ]
@@ -423,10 +424,10 @@ def _frombuffer(buffer: Any, dtype: torch.dtype, count: int = -1) -> torch.Tenso
 
 
 _JAGGED_SEEN = False
-"""Whether a jagged nested tensor has been built in this process (see ``_jagged``)."""
+"""Whether a jagged nested tensor has been built in this process (see ``jagged``)."""
 
 
-def _jagged(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def jagged(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``torch.nested.nested_tensor_from_jagged`` (zero copy). Its first call in a process logs a
     warning about torch's own internals (its use of the deprecated ``is_fx_tracing``), which says
     nothing to the user of a batch; that one call runs with the logger quiet."""
@@ -616,7 +617,7 @@ def to_tensordict(
             # tensordict < 0.11 cannot build an empty NonTensorStack (it reads its first row)
             out[name] = NonTensorStack(*values) if values else NonTensorData([], batch_size=[0])
         elif not padded:
-            out[name] = _jagged(col.values, col.offsets)
+            out[name] = jagged(col.values, col.offsets)
         else:
             key = f"{name}_lengths"
             if key in columns:

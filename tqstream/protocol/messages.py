@@ -13,7 +13,15 @@ from typing import Annotated, Any
 
 import msgspec
 
-from tqstream.types import BatchMeta, CheckpointSummary, FieldSchema, Stats, UnitStats
+from tqstream.types import (
+    BatchMeta,
+    CheckpointSummary,
+    FieldSchema,
+    RowListing,
+    Scalar,
+    Stats,
+    UnitStats,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -37,6 +45,18 @@ Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 Ids = Annotated[list[Id], msgspec.Meta(max_length=MAX_LIST)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_PUT_ROWS)]
 Names = Annotated[list[str], msgspec.Meta(max_length=MAX_LIST)]
+
+MAX_TAGS = 64
+"""Entries of one row's tags."""
+MAX_TAG_LIST = 1024
+"""Items of a list-valued tag."""
+WireTags = Annotated[
+    dict[str, Scalar | Annotated[list[Scalar], msgspec.Meta(max_length=MAX_TAG_LIST)]],
+    msgspec.Meta(max_length=MAX_TAGS),
+]
+"""A row's tags as a request carries them: what else a peer sends is refused at decoding."""
+RowTags = Annotated[list[WireTags | None], msgspec.Meta(max_length=MAX_PUT_ROWS)]
+"""Per row, tags to merge into the row's (None: leave them)."""
 
 
 class BufferRef(msgspec.Struct, frozen=True):
@@ -104,6 +124,7 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     units: list[str] = []
     shm: str = ""  # a storage unit's shared-memory token; "" when it has none
     inproc_units: list[str] = []  # units' inproc:// addresses (embedded), "" where none
+    cluster: str = ""  # the controller's token for this run of the cluster ("" from a unit)
 
 
 # --- controller requests ---
@@ -148,13 +169,26 @@ class PreparePut(_Msg, frozen=True, tag="prepare_put"):
     dispatch_version: list[int | None] | None = None
     rejected: Count = 0  # rows of this put refused by the producer (mixed versions)
     timeout: Seconds | None = None  # wait this long for storage room (byte quotas)
+    tags: RowTags | None = None  # per row, its tags
 
 
 class PrepareFields(_Msg, frozen=True, tag="prepare_fields"):
+    """Write fields of existing rows, named by ``row_ids`` or by ``keys``; with ``keys`` and
+    ``create``, keys not in the partition become new rows (committed with the fields, or not at
+    all). ``overwrite``: fields the rows have are replaced, else refused. ``tags`` are merged into
+    the rows' at the commit."""
+
     partition: str
     row_ids: Ids
     schemas: dict[str, FieldSchema]
     nbytes: Bytes
+    keys: Names | None = None
+    create: bool = False
+    overwrite: bool = False
+    tags: RowTags | None = None
+    # per row, for rows that have no versions yet (created by this write, or without fields)
+    version_start: list[int | None] | None = None
+    version_end: list[int | None] | None = None
 
 
 class CommitPut(_Msg, frozen=True, tag="commit_put"):
@@ -180,13 +214,45 @@ class GetMeta(_Msg, frozen=True, tag="get_meta"):
 
 
 class GetByKeys(_Msg, frozen=True, tag="get_by_keys"):
+    """Metadata of rows named by ``keys`` or, when ``keys`` is empty, by ``row_ids``; with
+    ``missing_ok`` rows that do not exist are left out instead of refused."""
+
     partition: str
     keys: Names
     fields: Names | None = None
+    row_ids: Ids = []
+    missing_ok: bool = False
 
 
 class ListKeys(_Msg, frozen=True, tag="list_keys"):
     partition: str
+
+
+class UpsertRows(_Msg, frozen=True, tag="upsert_rows"):
+    """Merge ``tags`` into the rows of ``keys`` (or, when ``keys`` is empty, of ``row_ids``); with
+    ``create``, keys not in the partition become new rows without fields (the partition is
+    created if needed)."""
+
+    partition: str
+    keys: Names
+    tags: RowTags | None = None
+    create: bool = True
+    row_ids: Ids = []
+
+
+class ListRows(_Msg, frozen=True, tag="list_rows"):
+    """Every committed row of ``partition`` (None: of every partition): a scan."""
+
+    partition: str | None = None
+    fields: Names = []
+    task: str | None = None
+
+
+class ResetConsumption(_Msg, frozen=True, tag="reset_consumption"):
+    """Every row ``task`` (None: every task) leased or acked is available to it again."""
+
+    partition: str
+    task: str | None = None
 
 
 class Ack(_Msg, frozen=True, tag="ack"):
@@ -224,6 +290,9 @@ class Store(_Msg, frozen=True, tag="store"):
     columns: list[ColumnRef]
     shared: list[Region] = []  # frames 1..n are in shared memory instead of attached
     reused: str = ""  # the spare segment the client claimed (renamed) for this chunk
+    # fields the rows hold already are staged: they replace the old values at the Publish the
+    # controller sends once the write committed (a put_fields that may overwrite)
+    overwrite: bool = False
 
 
 class Fetch(_Msg, frozen=True, tag="fetch"):
@@ -274,6 +343,13 @@ class ResetUnit(_Msg, frozen=True, tag="reset_unit"):
 
 class GetUnitStats(_Msg, frozen=True, tag="get_unit_stats"):
     pass
+
+
+class Publish(_Msg, frozen=True, tag="publish"):
+    """To a storage unit: the writes of ``chunks`` committed; their overwritten values (held
+    apart until now, see ``Store.overwrite``) replace the old ones."""
+
+    chunks: Ids
 
 
 # --- admission (producer flow control) ---
@@ -363,6 +439,9 @@ Request = (
     | GetMeta
     | GetByKeys
     | ListKeys
+    | UpsertRows
+    | ListRows
+    | ResetConsumption
     | Ack
     | Release
     | ClearSamples
@@ -378,6 +457,7 @@ Request = (
     | DropPartition
     | ResetUnit
     | GetUnitStats
+    | Publish
     | CountRejected
     | CreateAdmission
     | Acquire
@@ -430,11 +510,13 @@ class StoredResults(_Msg, frozen=True, tag="stored_results"):
 
 
 class FieldsPlan(_Msg, frozen=True, tag="fields_plan"):
-    """``put_fields`` placement: the rows of ``segments[i]`` are ``positions[i]`` of the batch."""
+    """``put_fields`` placement: the rows of ``segments[i]`` are ``positions[i]`` of the batch;
+    ``row_ids``: the batch's rows, for a write that named them by key."""
 
     put_id: int
     segments: list[PlanSegment]
     positions: list[list[int]]
+    row_ids: list[int] = []
 
 
 class MetaReply(_Msg, frozen=True, tag="meta"):
@@ -443,6 +525,10 @@ class MetaReply(_Msg, frozen=True, tag="meta"):
 
 class KeysReply(_Msg, frozen=True, tag="keys"):
     keys: list[str]
+
+
+class RowsReply(_Msg, frozen=True, tag="rows"):
+    rows: dict[str, RowListing]
 
 
 class StatsReply(_Msg, frozen=True, tag="stats"):
@@ -495,6 +581,7 @@ Reply = (
     | FieldsPlan
     | MetaReply
     | KeysReply
+    | RowsReply
     | StatsReply
     | Columns
     | UnitStatsReply

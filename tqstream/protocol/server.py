@@ -108,6 +108,7 @@ class Server:
         inproc: bool = False,
         on_disconnect: Callable[[bytes], None] | None = None,
         keys: Keys | None = None,
+        cluster: str = "",
     ) -> None:
         """``inproc``: also bind an ``inproc://`` endpoint (``inproc_address``) for clients in this
         process that share ``ctx``; they skip TCP and libzmq's I/O thread. ``on_disconnect(peer)``
@@ -120,6 +121,7 @@ class Server:
         self._units = units
         self._inproc_units = inproc_units
         self._shm = shm
+        self._cluster = cluster  # told to every client at the handshake (see Welcome.cluster)
         self.inproc_address = ""
         self._closed = False
         self._failure: BaseException | None = None
@@ -331,6 +333,7 @@ class Server:
             units=list(self._units()),
             shm=self._shm,
             inproc_units=list(self._inproc_units()),
+            cluster=self._cluster,
         )
 
     def _deliver(self, responder: Responder, result: HandlerResult) -> None:

@@ -153,6 +153,7 @@ def launch(
     replicas: int | None = None,
     keys: str | None = None,
     metrics_port: int | None = None,
+    max_rows: int | None = None,
     unit_max_restarts: int = -1,
     detached: bool = False,
     timeout: float = 120.0,
@@ -172,7 +173,8 @@ def launch(
 
     ``port``: the controller's port (0: a free one). ``keys``: the cluster's CURVE key file,
     made here if missing; it must be readable at this path on every node (and by clients).
-    ``metrics_port``: the controller's Prometheus endpoint. The other settings are those of
+    ``metrics_port``: the controller's Prometheus endpoint. ``max_rows``: rows the cluster holds
+    at most. The other settings are those of
     :func:`tqstream.init` and ``tqstream-launch``; left as None they come from ``TQSTREAM_*``
     variables of this process, or the defaults. ``timeout``: seconds to wait for the actors to
     be placed and serving, then RuntimeError (everything started is stopped).
@@ -207,6 +209,7 @@ def launch(
         replicas=replicas,
         keys=keys,
         metrics_port=metrics_port,
+        max_rows=max_rows,
     )
     if cc.keys:
         cc = dataclasses.replace(cc, keys=os.path.abspath(cc.keys))

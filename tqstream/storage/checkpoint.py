@@ -135,8 +135,11 @@ class UnitCheckpoints:
         added: list[int] = []
         try:
             for partition, chunks in loaded:
-                for chunk, rows, columns in chunks:
-                    self.store.add_chunk(partition, msg.chunk_base + chunk, rows, columns)
+                # in id order, newest last: a field written again (put_fields with overwrite)
+                # takes the value of its latest write, as it had when saved
+                for chunk, rows, columns in sorted(chunks, key=lambda c: c[0]):
+                    self.store.add_chunk(partition, msg.chunk_base + chunk, rows, columns, True)
+                    self.store.publish(msg.chunk_base + chunk)
                     added.append(msg.chunk_base + chunk)
         except TQStreamError as exc:
             self.store.drop_chunks(added)  # all or nothing

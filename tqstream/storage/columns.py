@@ -39,7 +39,7 @@ def _some(ids: Sequence[int]) -> str:
 
 
 class _Chunk:
-    __slots__ = ("columns", "id", "nbytes", "partition", "positions")
+    __slots__ = ("columns", "id", "nbytes", "partition", "positions", "staged")
 
     def __init__(
         self, chunk_id: int, partition: str, row_ids: Sequence[int], columns: dict[str, Column]
@@ -49,6 +49,8 @@ class _Chunk:
         self.columns = columns
         self.nbytes = sum(col.nbytes for col in columns.values())
         self.positions = {row: i for i, row in enumerate(row_ids)}  # live rows only
+        # (field, row) this chunk replaces once published (an overwrite not yet committed)
+        self.staged: list[tuple[str, int]] = []
 
 
 class _Partition:
@@ -122,9 +124,19 @@ class ColumnStore:
             )
 
     def add_chunk(
-        self, partition: str, chunk_id: int, row_ids: Sequence[int], columns: Mapping[str, Column]
+        self,
+        partition: str,
+        chunk_id: int,
+        row_ids: Sequence[int],
+        columns: Mapping[str, Column],
+        overwrite: bool = False,
     ) -> None:
-        """Store one chunk; everything is checked before anything changes (all or nothing)."""
+        """Store one chunk; everything is checked before anything changes (all or nothing).
+
+        ``overwrite``: the chunk may hold fields the rows have already (else that is an error).
+        Those values are *staged*: readers keep getting the old ones until :meth:`publish` (the
+        controller's order once the write committed), and dropping the chunk (the write rolled
+        back) leaves the old ones in place: an overwrite is all or nothing, like any write."""
         self.check_arrival(partition, chunk_id)
         where = f"chunk {chunk_id} of partition {partition!r}"
         n = len(row_ids)
@@ -160,7 +172,7 @@ class ColumnStore:
                     field=name,
                 )
             held = part.fields.get(name, {})
-            if held and not held.keys().isdisjoint(row_ids):
+            if not overwrite and held and not held.keys().isdisjoint(row_ids):
                 clash = [r for r in row_ids if r in held]
                 raise FieldExistsError(
                     f"{where}: field {name!r} is already stored for {len(clash)} of its {n} rows "
@@ -173,7 +185,12 @@ class ColumnStore:
         chunk = _Chunk(chunk_id, partition, row_ids, dict(columns))
         for name, col in columns.items():
             part.schemas[name] = col.schema
-            part.fields.setdefault(name, {}).update(dict.fromkeys(row_ids, chunk))
+            held = part.fields.setdefault(name, {})
+            if overwrite and not held.keys().isdisjoint(row_ids):
+                chunk.staged += [(name, row) for row in row_ids if row in held]
+                held.update((row, chunk) for row in row_ids if row not in held)
+            else:
+                held.update(dict.fromkeys(row_ids, chunk))
         rows = part.rows
         if rows.keys().isdisjoint(row_ids):  # new rows (a put), not fields added to old ones
             rows.update((row, [chunk]) for row in row_ids)
@@ -183,6 +200,45 @@ class ColumnStore:
         part.chunks[chunk_id] = chunk
         self._chunks[chunk_id] = chunk
         self._bytes += chunk.nbytes
+
+    def publish(self, chunk_id: int) -> None:
+        """The write of ``chunk_id`` committed: its staged values replace the old ones, and an
+        older chunk none of whose fields a row reads any more lets go of that row (released once
+        it holds no live row). A chunk dropped meanwhile (its rows cleared) is ignored."""
+        chunk = self._chunks.get(chunk_id)
+        if chunk is None or not chunk.staged:
+            return
+        part = self._partitions[chunk.partition]
+        replaced: dict[_Chunk, list[int]] = {}  # older chunk -> rows whose field moved here
+        for name, row in chunk.staged:
+            held = part.fields.get(name)
+            if held is None or row not in chunk.positions:
+                continue  # the row was dropped since
+            old = held.get(row)
+            held[row] = chunk
+            if old is not None and old is not chunk:
+                replaced.setdefault(old, []).append(row)
+        chunk.staged = []
+        for old, moved in replaced.items():
+            self._let_go(part, old, moved)
+
+    def _let_go(self, part: _Partition, chunk: _Chunk, rows: list[int]) -> None:
+        """Of ``rows``, those none of whose fields ``chunk`` still holds are no longer its: it
+        forgets them, and is released when no live row is left in it."""
+        gone = [
+            r
+            for r in dict.fromkeys(rows)
+            if r in chunk.positions
+            and all(part.fields.get(f, {}).get(r) is not chunk for f in chunk.columns)
+        ]
+        if not gone:
+            return
+        for r in gone:
+            del chunk.positions[r]
+            chunks = part.rows[r]
+            chunks.remove(chunk)
+        if not chunk.positions:
+            self._release(part, chunk)
 
     def fetch(
         self, partition: str, row_ids: Sequence[int], fields: Sequence[str]
@@ -312,9 +368,12 @@ class ColumnStore:
         for row in rows:
             del positions[row]
         for name in chunk.columns:
-            held = part.fields[name]
+            held = part.fields.get(name)
+            if held is None:
+                continue
             for row in rows:
-                del held[row]
+                if held.get(row) is chunk:  # a later (published) chunk may hold the field now
+                    del held[row]
             if not held:  # no live row has the field: forget its schema
                 del part.fields[name], part.schemas[name]
 

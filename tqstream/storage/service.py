@@ -59,6 +59,7 @@ from tqstream.protocol.messages import (
     MetaReply,
     Ok,
     PreparePut,
+    Publish,
     PutRows,
     PutStored,
     Region,
@@ -195,7 +196,7 @@ class StorageService:
     def _store(self, msg: Store, frames: list[Any]) -> Ok:
         if not msg.shared:
             columns = {ref.name: column_from_wire(ref, frames) for ref in msg.columns}
-            self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns)
+            self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns, msg.overwrite)
             return Ok(rid=msg.rid, count=len(msg.row_ids))
         if self.segments is None:
             raise InvalidRequestError(
@@ -208,7 +209,7 @@ class StorageService:
             self.store.check_arrival(msg.partition, msg.chunk)  # before the segment's name is used
             views = [frames[0], *self.segments.adopt(msg.chunk, msg.shared)]
             columns = {ref.name: column_from_wire(ref, views) for ref in msg.columns}
-            self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns)
+            self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns, msg.overwrite)
         except BaseException:
             if not self.store.holds(msg.chunk):  # nothing stored: leave no orphan segment either
                 self.segments.release(msg.chunk)
@@ -378,6 +379,10 @@ class StorageService:
                 return Ok(rid=msg.rid, count=s.drop_rows(msg.partition, msg.row_ids))
             case DropChunks():
                 s.drop_chunks(msg.chunks)
+                return Ok(rid=msg.rid)
+            case Publish():
+                for chunk in msg.chunks:
+                    s.publish(chunk)
                 return Ok(rid=msg.rid)
             case DropPartition():
                 for x in self._in_flight(msg.partition):
