@@ -99,12 +99,24 @@ def test_the_reference_pipeline_is_at_the_edge() -> None:
 
 def test_only_the_ray_deployment_imports_ray() -> None:
     """Ray is an optional extra: only ``tqstream.ray`` imports it, and nothing else in the tree
-    imports ``tqstream.ray``."""
+    imports ``tqstream.ray`` but the modules that start or find a job's cluster as Ray actors for
+    TransferQueue's API and NeMo-RL (all import Ray only when they run with it)."""
+    allowed = (
+        "tqstream.ray",
+        "tqstream.compat.transfer_queue.deploy",
+        "tqstream.adapters.nemo_rl.deploy",
+    )
     for name, imports in MODULES.items():
-        if name.startswith("tqstream.ray"):
+        if name.startswith(allowed):
             continue
         ray = {i for i in imports if i.split(".")[0] == "ray" or i.startswith("tqstream.ray")}
         assert not ray, f"{name} imports {ray}"
+
+
+def test_the_compatibility_layers_are_at_the_edge() -> None:
+    for name, imports in MODULES.items():
+        if not name.startswith(("tqstream.compat", "tqstream.adapters")):
+            assert not any(i.startswith("tqstream.compat") for i in imports), name
 
 
 def _cycles() -> list[list[str]]:
