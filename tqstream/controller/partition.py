@@ -314,18 +314,24 @@ class Partition:
                     gv.add(key, size, r.ready_seq)
 
     def commit_fields(self, rows: Iterable[Row], mask: int) -> None:
+        added: dict[int, int] = {}  # fields newly written -> rows (counted once per kind)
         for r in rows:
             r.pending &= ~mask
+            bits = mask & ~r.written
+            added[bits] = added.get(bits, 0) + 1
             self._write(r, mask)
+        for bits, n in added.items():
+            if bits:
+                self._count(bits, n)
 
     def _write(self, r: Row, mask: int) -> None:
-        """Fields of ``mask`` written (or, overwritten, written again) for committed row ``r``."""
+        """Fields of ``mask`` written (or, overwritten, written again) for committed row ``r``;
+        the caller counts them (``_count``)."""
         old = r.written
         r.written = new = old | mask
         self.seq += 1
         r.ready_seq = self.seq
         r.writes.append((mask, self.seq))
-        self._count(mask & ~old, 1)
         for (task, vmask), v in self.views.items():
             if (old & vmask) != vmask and (new & vmask) == vmask and self._available(r, task):
                 v.add(r.id, r.ready_seq)
