@@ -11,6 +11,8 @@ missing.
   consumer.
 - :mod:`tqstream.adapters.verl` — ``DataProto`` ⇄ rows, a drop-in ``MessageQueueClient`` for the
   fully-async recipe, the AsyncRL recipe's experience calls and the slot API.
+- :mod:`tqstream.adapters.nemo_rl` — NeMo-RL's ``DataPlaneClient`` on tqstream, with its staleness
+  samplers on tqstream's windows and admission.
 
 Each provides ``async_put_experience(data, current_version, ...)`` and
 ``async_get_experience(count, current_version, ...)`` (and sync twins) through a staleness window,
@@ -22,9 +24,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["areal", "require", "torch", "verl"]
+__all__ = ["areal", "nemo_rl", "require", "torch", "verl"]
 
-_SUBMODULES = ("areal", "torch", "verl")
+_SUBMODULES = ("areal", "nemo_rl", "torch", "verl")
 
 
 def require(module: str, framework: str, install: str) -> ModuleType:
