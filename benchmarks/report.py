@@ -34,9 +34,11 @@ GROUPS = (
     "producers",
     "weightsync",
     "rollout",
+    "verl-kv",
     "sweep",
 )
-ORDER = SYSTEMS
+# the verl-kv scenario's systems (benchmarks/test_verl_kv.py) are its own: tqstream's first
+ORDER = ("tqstream-compat-embedded", "tqstream-compat-ray", *SYSTEMS)
 RATIO_NOTE = "ratio = tqstream median time / that system's median time (< 1: tqstream is faster)"
 ALIAS_NOTE = (
     "(!) the tensors the consumer got are the producer's own input memory: nothing was copied, "

@@ -255,3 +255,40 @@ def test_fetched_metadata_pickles_small_and_is_read_and_acked_in_another_process
     assert out.stdout.strip() == "(262144,)"
     task = session.client.stats("p").partitions["p"].tasks["t"]
     assert (task.acked, task.leased) == (64, 0)  # the reader acked the lease it got with the meta
+
+
+BESIDE_TRANSFERQUEUE = """
+import logging, torch, ray, transfer_queue as real
+import tqstream.compat.transfer_queue as tq
+from tqstream.compat.transfer_queue.errors import ForeignControllerError
+# TransferQueue's storage units take a CPU each
+ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+         logging_level=logging.ERROR)
+real.init({"controller": {"polling_mode": True}})
+try:
+    tq.init({})
+except ForeignControllerError as exc:
+    print("refused:", exc)
+tq.init({"tqstream": {"deployment": "embedded"}})
+tq.kv_put(key="a", partition_id="p", fields={"x": torch.tensor([1, 2])})
+real.kv_put(key="a", partition_id="p", fields={"x": torch.tensor([3, 4])})
+print("tqstream:", tq.kv_batch_get(keys="a", partition_id="p")["x"].unbind()[0].tolist())
+print("transfer_queue:", real.kv_batch_get(keys="a", partition_id="p")["x"].unbind()[0].tolist())
+tq.close()
+real.close()
+ray.shutdown()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_beside_transferqueue_in_one_ray_job_the_name_clash_is_named_and_embedded_works() -> None:
+    """TransferQueue's own controller holds the actor name the layer's processes look up: a bare
+    or Ray init says so (it would attach to nothing), an embedded one runs beside it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQSTREAM_TRANSFER_QUEUE")}
+    out = subprocess.run([sys.executable, "-c", BESIDE_TRANSFERQUEUE], capture_output=True,
+                         text=True, timeout=280, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused: Ray namespace 'transfer_queue' already holds an actor")
+    assert "deployment': 'embedded'" in lines[0]
+    assert lines[1:] == ["tqstream: [1, 2]", "transfer_queue: [3, 4]"]

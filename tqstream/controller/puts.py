@@ -222,7 +222,8 @@ class Puts:
                 partition=req.partition,
             )
         self._check_rows(req.partition, len(new_keys))
-        runs = self._place_new(req.partition, len(new_keys))
+        share = req.nbytes * len(new_keys) // len(named)  # placed by the bytes they bring
+        runs = self._place_new(req.partition, len(new_keys), share)
         if req.partition not in self.partitions:
             self.create_partition(req.partition, [])
             p = self.partitions[req.partition]
@@ -302,11 +303,14 @@ class Puts:
                 max_rows=self.max_rows,
             )
 
-    def _place_new(self, partition: str, n: int) -> list[tuple[int, int, int, int]]:
-        """Units for ``n`` rows created without data yet (their fields follow them there)."""
+    def _place_new(
+        self, partition: str, n: int, nbytes: int = 0
+    ) -> list[tuple[int, int, int, int]]:
+        """Units for ``n`` new rows bringing ``nbytes`` (0: none yet; their fields, written later,
+        follow them there)."""
         if not n:
             return []
-        runs = self.units.place(n, 0, self.replicas_of(partition))
+        runs = self.units.place(n, nbytes, self.replicas_of(partition))
         if runs is None:
             raise CapacityError(
                 f"no live storage unit of partition {partition!r} is under its byte quota, so "

@@ -330,9 +330,11 @@ def _tensor_column(name: str, t: Any) -> Column:  # Any: NestedTensor methods ar
         plain = t.layout == torch.jagged and t.lengths() is None and t._ragged_idx == 1
         if not plain:  # strided layout, holes (narrow) or ragged in another dim: row by row
             return _ragged_column(name, t.detach().unbind())
+        # the dense values and offsets are detached (cheap); detaching the nested tensor itself
+        # costs ~100 µs of torch dispatch per field
         offsets = t.offsets().detach().to("cpu", _I64)
         lo, hi = int(offsets[0]), int(offsets[-1])
-        values = _cpu(name, t.detach().values()[lo:hi])
+        values = _cpu(name, t.values()[lo:hi])
         return Column(
             _ragged_schema(values), values, (offsets - lo if lo else offsets).contiguous()
         )

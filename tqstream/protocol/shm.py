@@ -64,9 +64,11 @@ SHM_DIR = "/dev/shm"
 ALIGN = 64
 GATHER_SEGMENT_BYTES = 1 << 20
 """Gathered fetch data at least this large goes through a fresh segment instead of frames."""
-SPARE_SEGMENTS = 4
+SPARE_SEGMENTS = 16
 SPARE_BYTES = 1 << 30
-"""At most this many recycled segments, of at most this many bytes in all, wait for reuse."""
+"""At most this many recycled segments, of at most this many bytes in all, wait for reuse: a step
+that writes several chunks (a batch and the columns added to it) recycles several at its clear,
+and the batch's own must still be there when the next batch is put."""
 _NAME = re.compile(r"tqs-[0-9a-f]{16}-[cg][0-9]+")
 _NAME_SPARE = re.compile(r"tqs-[0-9a-f]{16}-p[0-9]+")
 

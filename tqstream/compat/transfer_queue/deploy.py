@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tqstream.compat.transfer_queue.config import ADDRESS_ENV, KEYS_ENV, Settings
+from tqstream.compat.transfer_queue.errors import ForeignControllerError
 from tqstream.config import ClientConfig, from_env
 
 __all__ = ["ACTOR", "NAMESPACE", "Found", "Started", "find", "start"]
@@ -59,11 +60,15 @@ class Started(Found):
     client: Any = None  # the embedded deployment's own client (its servers' owner)
 
 
-def find() -> Found | None:
-    """The job's cluster: the address this process inherited, or the Ray actor of the job."""
+def find(use_ray: bool = True) -> Found | None:
+    """The job's cluster: the address this process inherited, or (``use_ray``) the Ray actor of
+    the job. An actor of that name that is not tqstream's (TransferQueue's own controller, in a
+    job that runs both) raises :class:`ForeignControllerError`."""
     address = os.environ.get(ADDRESS_ENV)
     if address:
         return Found(address, os.environ.get(KEYS_ENV, ""), {})
+    if not use_ray:
+        return None
     ray = _ray()
     if ray is None or not ray.is_initialized():
         return None
@@ -71,7 +76,15 @@ def find() -> Found | None:
         actor = ray.get_actor(ACTOR, namespace=NAMESPACE)
     except ValueError:
         return None
-    address, keys, conf = ray.get(actor.endpoint.remote())
+    try:
+        address, keys, conf = ray.get(actor.endpoint.remote())
+    except AttributeError:  # the actor has no endpoint(): TransferQueue's own controller
+        raise ForeignControllerError(
+            f"Ray namespace {NAMESPACE!r} already holds an actor {ACTOR!r} that is not "
+            "tqstream's: TransferQueue itself runs in this Ray job. Run one of the two per job "
+            "(unset TQSTREAM_TRANSFER_QUEUE or stop TransferQueue), or keep tqstream's cluster "
+            "out of Ray with init({'tqstream': {'deployment': 'embedded'}})"
+        ) from None
     return Found(address, keys, conf)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from tqstream.errors import TQStreamError, UnknownKeyError, UnknownRowError
 
 __all__ = [
+    "ForeignControllerError",
     "ForeignMetadataError",
     "KeyNotFoundError",
     "NotInitializedError",
@@ -37,3 +38,11 @@ class ForeignMetadataError(TQStreamError, ValueError):
     before its controller restarted): its row ids mean nothing here."""
 
     code = "tq_foreign_metadata"
+
+
+class ForeignControllerError(TQStreamError, RuntimeError):
+    """The job's Ray namespace ``transfer_queue`` already holds a ``TransferQueueController``
+    actor that is not tqstream's (TransferQueue itself runs in this Ray job), so there is no
+    tqstream cluster to attach to there and none can be started under that name."""
+
+    code = "tq_foreign_controller"

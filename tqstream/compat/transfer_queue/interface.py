@@ -81,7 +81,8 @@ def init(conf: Any = None) -> Any:
         if _client is not None and _pid == os.getpid():
             return conf
         _client = _started = None  # a forked child starts afresh
-        found = find()
+        wanted = settings(merge(conf)).deployment if conf is not None else "auto"
+        found = find(use_ray=wanted != "embedded")
         if found is None:
             merged = merge(conf)
             try:
@@ -240,13 +241,7 @@ async def async_kv_batch_put(
         partition_id, keys, data, tags=tags, version=version
     )
     tags_now: list[dict[str, Any]] = list(meta.tags) if meta.tags else [{} for _ in keys]
-    return KVBatchMeta(
-        keys=list(keys),
-        tags=tags_now,  # decoded for this call; KVBatchMeta copies them
-        partition_id=partition_id,
-        fields=sorted(meta.fields),
-        extra_info={},
-    )
+    return KVBatchMeta._issued(list(meta.keys), tags_now, partition_id, sorted(meta.fields))
 
 
 async def async_kv_batch_get(
