@@ -254,7 +254,8 @@ class Puts:
         )
         put.created = {r.id for r in created}
         put.tags = req.tags
-        put.overwrite = req.overwrite
+        # only values some row already holds are staged at the units and need publishing
+        put.overwrite = req.overwrite and any(r.written & mask for r in rows)
         if req.version_start is not None or req.version_end is not None:
             starts = req.version_start or req.version_end or []
             put.versions = (starts, req.version_end or starts)
