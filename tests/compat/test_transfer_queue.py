@@ -24,6 +24,7 @@ from tensordict import NonTensorStack, TensorDict
 
 import tqstream
 import tqstream.compat.transfer_queue as tq
+from tqstream.compat.transfer_queue import config as tq_config
 from tqstream.compat.transfer_queue.errors import ForeignMetadataError, NotInitializedError
 
 EMBEDDED = {"tqstream": {"deployment": "embedded"}}
@@ -178,9 +179,16 @@ def test_config_keys(caplog: pytest.LogCaptureFixture) -> None:
         tq.init({"tqstream": {"nope": 1}})
     with pytest.raises(ValueError, match="other samplers are not supported"):
         tq.init({"controller": {"sampler": "GRPOGroupNSampler"}})
-    with caplog.at_level(logging.WARNING, logger="tqstream.compat"):
-        tq.init({**EMBEDDED, "backend": {"storage_backend": "MooncakeStore"},
-                 "metrics": {"enabled": True}})  # fmt: skip
+    # the module's own logger, not logging.getLogger(): importing AReaL (its adapter's tests run
+    # earlier in the suite) swaps logging's root and manager, so a name lookup now finds another
+    log = tq_config._log
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tqstream.compat"):
+            tq.init({**EMBEDDED, "backend": {"storage_backend": "MooncakeStore"},
+                     "metrics": {"enabled": True}})  # fmt: skip
+    finally:
+        log.removeHandler(caplog.handler)
     try:
         assert "backend 'MooncakeStore' is not used" in caplog.text
         endpoint = tq.get_metrics_endpoint()
