@@ -81,7 +81,7 @@ def same_sample(a: Any, b: Any) -> bool:
         return False
     if any(
         x.batch[k].dtype != y.batch[k].dtype or not torch.equal(x.batch[k], y.batch[k])
-        for k in x.batch
+        for k in x.batch.keys()  # noqa: SIM118  (iterating a TensorDict yields its rows)
     ):
         return False
     if set(x.non_tensor_batch) != set(y.non_tensor_batch):
