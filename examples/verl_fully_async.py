@@ -4,8 +4,10 @@ The two sides talk as verl's ``FullyAsyncRollouter`` and ``FullyAsyncTrainer`` d
 same calls: the rollouter takes a slot (``acquire_slot``), generates one prompt's ``rollout.n``
 samples, queues the ``RolloutSample`` (``put_sample``) and frees the slot (``release_slot``); the
 trainer takes samples (``get_sample``), trains on their ``DataProto``, syncs weights and reopens the
-version window (``reset_staleness``). The queue is tqstream's ``MessageQueueClient``, kept small
-here so that the rollouter runs into it: it waits instead of dropping, and counts the waits.
+version window (``reset_staleness``). The queue is tqstream's ``MessageQueue`` and
+``MessageQueueClient``, made and used as the recipe does (only the import differs): the rollouter
+puts ``ray.cloudpickle.dumps(sample)``, the trainer ``ray.cloudpickle.loads`` what it gets. It is
+kept small here so that the rollouter runs into it: it waits instead of dropping.
 
 Generation is simulated (random tokens padded exactly as verl's agent loop pads them), so the
 example needs no model: ``python examples/verl_fully_async.py``.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import ray
 import torch
 from tensordict import TensorDict
 from verl.experimental.fully_async_policy.detach_utils import RolloutSample
@@ -23,7 +26,7 @@ from verl.protocol import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
 import tqstream
-from tqstream.adapters.verl import MessageQueueClient, ReplayBufferSlots
+from tqstream.adapters.verl import MessageQueue, MessageQueueClient, ReplayBufferSlots
 
 N = 4  # rollout.n: samples per prompt (one GRPO group, one RolloutSample)
 PROMPTS_PER_STEP = 2  # the trainer's required samples per step
@@ -69,15 +72,16 @@ def generate(prompt_id: int, version: int) -> DataProto:
     )
 
 
-def slots_and_queue(client: tqstream.Client) -> tuple[ReplayBufferSlots, MessageQueueClient]:
-    """Each side builds its own on the same names: the state lives at the controller."""
-    slots = ReplayBufferSlots(client, max_version_slots=3 * PROMPTS_PER_STEP, max_pending_slots=2,
-                              consumer_batch_size=PROMPTS_PER_STEP)  # fmt: skip
-    return slots, MessageQueueClient(client, name="fully_async", max_queue_size=2)
+def make_slots(client: tqstream.Client) -> ReplayBufferSlots:
+    """Each side builds its own on the same name: the state lives at the controller."""
+    return ReplayBufferSlots(client, max_version_slots=3 * PROMPTS_PER_STEP, max_pending_slots=2,
+                             consumer_batch_size=PROMPTS_PER_STEP)  # fmt: skip
 
 
-async def rollouter(client: tqstream.Client, versions: list[int]) -> None:
-    slots, queue = slots_and_queue(client)
+async def rollouter(
+    client: tqstream.Client, queue: MessageQueueClient, versions: list[int]
+) -> None:
+    slots = make_slots(client)
     for prompt_id in range(PROMPTS_PER_STEP * STEPS):
         await slots.acquire_slot(uid=f"sample_0_{prompt_id}")  # blocks on either layer
         await asyncio.sleep(0.01)  # "generation"
@@ -87,16 +91,17 @@ async def rollouter(client: tqstream.Client, versions: list[int]) -> None:
             epoch=0,
             rollout_status={"count/total_generated_samples": prompt_id},
         )
-        await queue.put_sample(sample)  # waits while the queue is full: never drops
+        # as verl's rollouter puts it; waits while the queue is full: never drops
+        await queue.put_sample(sample=ray.cloudpickle.dumps(sample))
         await slots.release_slot()
-    await queue.put_sample(None)  # the end of the stream
+    await queue.put_sample(sample=None)  # the end of the stream
     stats = await queue.get_statistics()
-    print(f"rollouter: done; put_sample waited for room {stats['blocked_puts']} times, "
-          f"dropped {stats['dropped_samples']} samples")  # fmt: skip
+    print(f"rollouter: done; {stats['total_produced']} samples put, "
+          f"dropped {stats['dropped_samples']}")  # fmt: skip
 
 
-async def trainer(client: tqstream.Client, versions: list[int]) -> None:
-    slots, queue = slots_and_queue(client)
+async def trainer(client: tqstream.Client, queue: MessageQueueClient, versions: list[int]) -> None:
+    slots = make_slots(client)
     while True:
         samples = []
         while len(samples) < PROMPTS_PER_STEP:
@@ -108,6 +113,7 @@ async def trainer(client: tqstream.Client, versions: list[int]) -> None:
                 )
                 return
             samples.append(sample)
+        samples = [ray.cloudpickle.loads(x) for x in samples]  # where verl's trainer has it
         batch = DataProto.concat([s.full_batch for s in samples])
         lag = [versions[-1] - v for v in batch.non_tensor_batch["min_global_steps"]]
         tokens = int(batch.batch["response_mask"].sum())
@@ -125,8 +131,11 @@ async def trainer(client: tqstream.Client, versions: list[int]) -> None:
 async def main() -> None:
     client = tqstream.init()
     try:
+        # verl's FullyAsyncTaskRunner: MessageQueue.remote(config, max_queue_size), then the client
+        message_queue = MessageQueue.remote(None, 2, cluster=client)
+        queue = MessageQueueClient(message_queue)
         versions = [0]
-        await asyncio.gather(rollouter(client, versions), trainer(client, versions))
+        await asyncio.gather(rollouter(client, queue, versions), trainer(client, queue, versions))
     finally:
         client.close()
 

@@ -632,7 +632,9 @@ def test_admission_misuse_messages(client: Client, partition: str) -> None:
     ids = adm.try_acquire(1)
     with pytest.raises(tqstream.AdmissionError) as err:
         adm.release(ids, "done")
-    assert str(err.value) == "release outcome must be 'accepted' or 'rejected' (got 'done')"
+    assert str(err.value) == (
+        "release outcome must be 'accepted', 'rejected' or 'dropped' (got 'done')"
+    )
     with pytest.raises(tqstream.AdmissionError) as err:
         adm.release([ids[0], 9])
     assert str(err.value) == (

@@ -278,7 +278,7 @@ def test_direct_constructors_refuse_too() -> None:
         ),
         (
             lambda a: a.release([1], "done"),
-            "release outcome must be 'accepted' or 'rejected' (got 'done')",
+            "release outcome must be 'accepted', 'rejected' or 'dropped' (got 'done')",
         ),
         (
             lambda a: a.release(1, "accepted"),
@@ -361,6 +361,7 @@ class _Machine(RuleBasedStateMachine):
         self.n_voided = 0
         self.accepted = 0
         self.rejected = 0
+        self.dropped = 0
         self.version = 0
 
     def _grant(self, ids: list[int], expected: int, tag: int) -> None:
@@ -378,10 +379,11 @@ class _Machine(RuleBasedStateMachine):
             "granted": self.issued,
             "accepted": self.accepted,
             "rejected": self.rejected,
+            "dropped": self.dropped,
         }
 
     @precondition(lambda self: self.issued > 0)
-    @rule(data=st.data(), outcome=st.sampled_from(["accepted", "rejected"]))
+    @rule(data=st.data(), outcome=st.sampled_from(["accepted", "rejected", "dropped"]))
     def release(self, data: st.DataObject, outcome: str) -> None:
         ids = data.draw(st.lists(st.integers(1, self.issued), max_size=5))
         self.adm.release(ids, outcome)
@@ -393,12 +395,15 @@ class _Machine(RuleBasedStateMachine):
             self.n_released += 1
             if outcome == "accepted":
                 self.accepted += 1
+                continue
+            if outcome == "dropped":
+                self.dropped += 1
             else:
                 self.rejected += 1
-                self._refund(tag)
+            self._refund(tag)
 
     @precondition(lambda self: self.released)
-    @rule(data=st.data(), outcome=st.sampled_from(["accepted", "rejected"]))
+    @rule(data=st.data(), outcome=st.sampled_from(["accepted", "rejected", "dropped"]))
     def double_release(self, data: st.DataObject, outcome: str) -> None:
         before = self.adm.state()
         self.adm.release([data.draw(st.sampled_from(self.released))], outcome)

@@ -9,8 +9,8 @@ missing.
 - :mod:`tqstream.adapters.areal` — AReaL's ``StalenessManager`` backed by the controller, a
   ``RolloutWorkflow`` wrapper that stores each accepted trajectory, a ``prepare_batch``-shaped
   consumer.
-- :mod:`tqstream.adapters.verl` — ``DataProto`` ⇄ rows, a drop-in ``MessageQueueClient`` for the
-  fully-async recipe, the AsyncRL recipe's experience calls and the slot API.
+- :mod:`tqstream.adapters.verl` — ``DataProto`` ⇄ rows, the fully-async recipe's ``MessageQueue``
+  and ``MessageQueueClient`` (a drop-in), the AsyncRL recipe's experience calls and the slot API.
 - :mod:`tqstream.adapters.nemo_rl` — NeMo-RL's ``DataPlaneClient`` on tqstream, with its staleness
   samplers on tqstream's windows and admission.
 

@@ -9,10 +9,11 @@ and the service retries parked callers after every event that may free capacity 
 
 Slot ids are issued here and a slot counts only while its id is live, so no slot can be counted
 twice (verl #7938): a second release of an id is a no-op, and releasing an id never issued raises.
-Nothing is ever dropped to make room: a full admission refuses, it does not evict (unlike verl's
-MessageQueue, which silently dropped its oldest samples). A ``rejected`` release gives its slot's
-staleness budget back in every style: the sample never reaches the trainer, so counting it would
-let rejections starve the trainer and deadlock a configuration that the constructor accepted.
+A full admission refuses, it never evicts: a queue that drops its oldest sample to make room
+(verl's ``drop_oldest``) evicts the sample itself and releases its slot as ``dropped``, counted
+apart. A ``rejected`` or ``dropped`` release gives its slot's staleness budget back in every style:
+the sample never reaches the trainer, so counting it would let rejections starve the trainer and
+deadlock a configuration that the constructor accepted.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Protocol
 
 from tqstream.errors import AdmissionError
 
-OUTCOMES = ("accepted", "rejected")
+OUTCOMES = ("accepted", "rejected", "dropped")
 
 
 class Admission(Protocol):
@@ -80,6 +81,7 @@ class _Slots:
         self.granted = 0
         self.accepted = 0
         self.rejected = 0
+        self.dropped = 0
 
     @property
     def running(self) -> int:
@@ -98,13 +100,14 @@ class _Slots:
         return ids
 
     def release(self, slot_ids: Iterable[int], outcome: str) -> None:
-        """End slots: ``accepted`` (the sample reached storage) or ``rejected`` (discarded).
+        """End slots: ``accepted`` (the sample reached storage), ``rejected`` (discarded) or
+        ``dropped`` (stored, then evicted before any trainer took it).
 
         All ids are checked before anything changes, so a refused call changes nothing.
         """
         if outcome not in OUTCOMES:
             raise AdmissionError(
-                f"release outcome must be 'accepted' or 'rejected' (got {outcome!r})"
+                f"release outcome must be 'accepted', 'rejected' or 'dropped' (got {outcome!r})"
             )
         if _is_int(slot_ids) or isinstance(slot_ids, (str, bytes)):
             raise AdmissionError(f"release needs an iterable of slot ids (got {slot_ids!r})")
@@ -123,9 +126,12 @@ class _Slots:
                 continue  # released before, or voided by a recovery
             if outcome == "accepted":
                 self.accepted += 1
+                continue
+            if outcome == "dropped":
+                self.dropped += 1
             else:
                 self.rejected += 1
-                self._refund(tag)
+            self._refund(tag)
 
     def _refund(self, tag: int) -> None:
         """Give a rejected slot's staleness budget back (if it still counts against one)."""
@@ -142,9 +148,10 @@ class _Slots:
 
     def restore(self, counters: dict[str, int | None], live: dict[int, int]) -> None:
         """Continue from what :meth:`checkpoint` returned (for an admission of the same style
-        and settings); refuses counters this style does not have, or slots it never issued."""
+        and settings); refuses counters this style does not have, or slots it never issued. A
+        counter the checkpoint lacks (saved before it was counted) starts at its initial value."""
         mine = {k for k in vars(self) if k != "_live"}
-        unknown = sorted(set(counters) ^ mine)
+        unknown = sorted(set(counters) - mine)
         if unknown or not all(v is None or _is_int(v) for v in counters.values()):
             raise AdmissionError(
                 f"{self.style} admission cannot restore counters {sorted(counters)} (expected "
@@ -165,6 +172,7 @@ class _Slots:
             "granted": self.granted,
             "accepted": self.accepted,
             "rejected": self.rejected,
+            "dropped": self.dropped,
         }
 
 
@@ -211,7 +219,6 @@ class CapacityAdmission(_Slots):
         self.max_staleness = max_staleness
         self.consumer_batch_size = consumer_batch_size
         self.enqueued = 0
-        self.dropped = 0  # accepted samples later evicted as stale (their budget came back)
 
     def get_capacity(self, version: int) -> int:
         """AReaL's get_capacity; may be negative after ``on_rollout_submitted`` over capacity."""
@@ -265,7 +272,6 @@ class CapacityAdmission(_Slots):
         return {
             **self._common(),
             "enqueued": self.enqueued,
-            "dropped": self.dropped,
             "capacity": self.get_capacity(self.version),
             "max_concurrent": self.max_concurrent,
             "max_staleness": self.max_staleness,

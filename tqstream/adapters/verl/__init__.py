@@ -5,15 +5,16 @@
   re-padded to the trainer's widths; a put's rows give back an equal ``DataProto``.
 - :class:`VerlExperience` — ``put_experience(DataProto, v)`` / ``get_experience(n, v)`` through a
   staleness window measured from the dispatch version (verl v1, AsyncRL).
-- :class:`MessageQueueClient` — the fully-async recipe's queue client, same methods, backed by
-  tqstream, with back-pressure instead of dropping the oldest sample.
+- :class:`MessageQueue`, :class:`MessageQueueClient` — the fully-async recipe's queue and its
+  client: the recipe runs with only its import changed; its pickled samples are stored as opaque
+  bytes; a full queue applies back-pressure, or (``drop_oldest=True``) drops its oldest sample.
 - :class:`ReplayBufferSlots` — ``acquire_slot()`` / ``release_slot()`` / ``reset_staleness()`` of
   the fully-async TransferQueue recipe, as verl calls them.
 - :class:`AsyncRLExperience` — the AsyncRL recipe's ``async_put_experience`` /
   ``async_get_experience``, one request with a real window.
 
 Importing this module imports ``verl.protocol`` (an ImportError naming the install command if verl
-is missing); ``MessageQueueClient.get_sample`` also needs verl's fully-async recipe module.
+is missing).
 docs/adapters/verl.md shows how to wire each into verl's trainers.
 """
 
@@ -27,7 +28,7 @@ from tqstream.adapters.verl.asyncrl import AsyncRLExperience  # noqa: E402
 from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows, stored_fields  # noqa: E402
 from tqstream.adapters.verl.experience import VerlBatch, VerlExperience  # noqa: E402
 from tqstream.adapters.verl.layout import DERIVED_FIELDS, LAYOUT_FIELD, RESPONSE_FIELDS  # noqa: E402
-from tqstream.adapters.verl.queue import MessageQueueClient  # noqa: E402
+from tqstream.adapters.verl.queue import MessageQueue, MessageQueueClient  # noqa: E402
 from tqstream.adapters.verl.rebuild import rows_to_dataproto  # noqa: E402
 from tqstream.adapters.verl.slots import ReplayBufferSlots  # noqa: E402
 
@@ -36,6 +37,7 @@ __all__ = [
     "LAYOUT_FIELD",
     "RESPONSE_FIELDS",
     "AsyncRLExperience",
+    "MessageQueue",
     "MessageQueueClient",
     "ReplayBufferSlots",
     "RowBatch",

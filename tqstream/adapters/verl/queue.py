@@ -1,321 +1,301 @@
-"""A drop-in for the fully-async recipe's ``MessageQueueClient`` that never drops a sample.
+"""verl's fully-async ``MessageQueue`` and ``MessageQueueClient`` on tqstream: change the import.
 
-verl's ``MessageQueue`` (``verl.experimental.fully_async_policy.message_queue``) is one Ray actor
-holding cloudpickled ``RolloutSample`` s in a ``deque(maxlen=max_queue_size)``: when it is full,
-``put_sample`` silently evicts the *oldest* sample and returns False. This client keeps the same
-methods, async and ``*_sync``, with the same parameters and return shapes, and stores each
-``RolloutSample`` in tqstream instead: its ``full_batch`` as unpadded rows (``dataproto_to_rows``)
-and ``sample_id`` / ``epoch`` / ``rollout_status`` in one small header row, so nothing is pickled
-and any process can read it. A full queue applies back-pressure: ``put_sample`` waits at the
-controller (a slot of a ``slots`` admission bounds the samples queued, globally) until the trainer
-takes one, and counts the wait; with ``put_timeout`` it gives up after that long, stores nothing and
-returns False (verl's "not put"), counted too. Nothing is ever evicted to make room.
+verl 0.9.1's recipe (``verl.experimental.fully_async_policy``) builds ``MessageQueue.remote(config,
+max_queue_size)`` in its driver, wraps it in ``MessageQueueClient(message_queue)`` and hands the
+client to its rollouter and trainer Ray actors; the rollouter puts
+``ray.cloudpickle.dumps(rollout_sample)``, the trainer ``ray.cloudpickle.loads`` what ``get_sample``
+returns. Here ``MessageQueue.remote`` makes the queue in a tqstream cluster (the one given, else the
+job's: see :func:`_cluster`) and returns a handle that names it: the cluster's address and key file,
+the queue's name and settings, never a socket. Every process that unpickles a client connects to the
+cluster itself (one connection per process and cluster), and the samples move over tqstream's
+sockets (shared memory on one host), never through Ray.
 
-Storage: partition ``name`` holds the headers (one row per queued sample, consumed by ``task``),
-``name + ".rows"`` the samples' rows (cleared once the sample is taken), ``name + ".validate"``
-``put_validate`` values; admission ``name + ".queue"`` the queue's capacity.
+Samples are opaque bytes: stored as they come and handed back as the same bytes; nothing here
+unpickles them (docs/security.md). Capacity is a ``slots`` admission ``name + ".queue"`` of
+``max_queue_size`` slots, global across processes: each queued sample holds one (its id in the
+row's tag ``slot``) until it is taken (released "accepted"), evicted by ``drop_oldest`` ("dropped":
+verl's ``dropped_samples``) or cleared ("rejected"). A full queue makes ``put_sample`` wait until
+the trainer takes a sample, or, with ``drop_oldest=True``, evict the oldest queued sample as verl's
+deque does.
+
+Storage: partition ``name`` holds the queued samples (field ``sample``, consumed by task
+``trainer``), ``name + ".validate"`` the ``put_validate`` values.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
+import operator
 import os
-import uuid
-from collections.abc import Sequence
+import sys
+import threading
 from typing import Any
 
-from tqstream.adapters import require
-from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows
-from tqstream.adapters.verl.layout import json_problem
-from tqstream.adapters.verl.rebuild import rows_to_dataproto
-from tqstream.client.client import Batch, Client, connect
+from tqstream.client.admission import AdmissionHandle
+from tqstream.client.client import Client
+from tqstream.config import ClientConfig, from_env
 from tqstream.errors import (
+    AdmissionError,
+    ConnectError,
     InvalidRequestError,
     PartitionDrainedError,
     RequestTimeoutError,
-    SchemaError,
     TQStreamError,
 )
-from tqstream.types import CheckpointSummary, PartitionStats
+from tqstream.types import BatchMeta, CheckpointSummary, Stats
 
-__all__ = ["MessageQueueClient"]
+__all__ = ["MessageQueue", "MessageQueueClient"]
 
-SAMPLE_FIELD = "rollout_sample"
-VALUE_FIELD = "value"
-_NO_WINDOW = 2**62  # the queue bounds samples queued (pending slots), not per weight version
-_INSTALL = "pip install verl==0.9.1 cachetools fastapi uvicorn"
+SAMPLE_FIELD = "sample"
+TASK = "trainer"
+RAY_CLUSTER = "tqstream"
+"""The Ray cluster (``tqstream.ray.launch(name=...)``) a queue uses, or starts, in a Ray job."""
+_NO_WINDOW = (
+    2**62
+)  # the queue bounds samples queued (pending slots), not samples per weight version
 
 
-def _rollout_sample_class() -> Any:
-    """verl's ``RolloutSample`` (its module imports verl's trainer, so only when a get needs it)."""
-    mod = require("verl.experimental.fully_async_policy.detach_utils", "verl", _INSTALL)
-    return mod.RolloutSample
+@dataclasses.dataclass(frozen=True)
+class MessageQueue:
+    """A queue of opaque samples in a tqstream cluster, what verl's ``MessageQueue`` actor is to
+    the recipe: make it with ``MessageQueue.remote(config, max_queue_size)`` (see :meth:`remote`),
+    use it through ``MessageQueueClient(queue)``. This object only names the queue (the fields
+    below), so it pickles as them."""
+
+    address: str
+    """The cluster's controller, ``tcp://HOST:PORT``."""
+    keys: str
+    """The cluster's CURVE key file ("": none), for the clients of other processes."""
+    name: str
+    """The queue's name in the cluster (its partitions and admission are named after it)."""
+    max_queue_size: int
+    """Samples queued at most."""
+    drop_oldest: bool
+    """A full queue evicts its oldest sample (as verl's deque) instead of making puts wait."""
+    put_timeout: float | None
+    """Seconds ``put_sample`` waits for room before it gives up, storing nothing (None: forever)."""
+
+    @classmethod
+    def remote(
+        cls,
+        config: Any = None,
+        max_queue_size: int = 1000,
+        *,
+        drop_oldest: bool = False,
+        put_timeout: float | None = None,
+        name: str = "fully_async",
+        cluster: Client | str | None = None,
+    ) -> MessageQueue:
+        """Make the queue, as verl's ``MessageQueue.remote(config, max_queue_size)`` makes its
+        actor; returns at once, the queue ready. ``config`` (verl's trainer config) is accepted
+        and not used.
+
+        ``cluster``: a tqstream client or a cluster's address; by default the job's: in a Ray job
+        (Ray initialised) the Ray cluster named ``"tqstream"`` in this job's namespace, launched
+        with one storage unit if none runs (``tqstream.ray.launch``; its actors end with this
+        process), else an embedded cluster in this process (``tqstream.init()``; other processes
+        on this host reach it while this process lives). ``name``: several queues in one cluster
+        need several names; a queue made again with the same name and settings is the same queue
+        (what it holds stays), with other settings AdmissionError.
+        """
+        size = _queue_size(max_queue_size)
+        if type(drop_oldest) is not bool:
+            raise InvalidRequestError(f"drop_oldest must be True or False, got {drop_oldest!r}")
+        if put_timeout is not None and not put_timeout >= 0:
+            raise InvalidRequestError(
+                f"put_timeout must be None (wait for room as long as it takes) or seconds >= 0, "
+                f"got {put_timeout!r}"
+            )
+        client = _cluster(cluster)
+        queue = cls(client.address, client.config.keys, name, size, drop_oldest, put_timeout)
+        try:
+            client.admission(
+                "slots", name=queue.admission, max_pending_slots=size, max_version_slots=_NO_WINDOW
+            )
+        except AdmissionError as exc:
+            raise AdmissionError(
+                f"a queue named {name!r} already exists in this cluster with another "
+                f"max_queue_size ({exc}); make it with the same max_queue_size, or pass another "
+                f"name= for another queue",
+                name=name,
+            ) from exc
+        client.create_partition(name, [SAMPLE_FIELD], tasks=[TASK])
+        client.create_partition(queue.validate, [SAMPLE_FIELD], tasks=[TASK])
+        return queue
+
+    @property
+    def admission(self) -> str:
+        return f"{self.name}.queue"
+
+    @property
+    def validate(self) -> str:
+        return f"{self.name}.validate"
 
 
 class MessageQueueClient:
-    """verl's ``MessageQueueClient`` on tqstream (see the module docstring).
+    """verl's ``MessageQueueClient``, same methods (async or ``*_sync`` as in verl, same parameters,
+    same return shapes), on the queue that ``MessageQueue.remote`` made. It pickles as that queue,
+    so Ray hands it to actors as verl does; each process connects on first use."""
 
-    ``client``: a tqstream client, or its address (then this object connects and owns the
-    connection). ``max_queue_size``: samples queued at most (verl's ``max_queue_size``).
-    ``task``: the consumer task name. ``put_timeout``: seconds a ``put_sample`` waits for room
-    (None: as long as it takes). ``response_fields`` / ``pad_token_id``: see
-    ``dataproto_to_rows``. Every process builds its own from the same ``name`` (pickling one
-    carries the address and settings, so Ray can hand it to actors as verl does).
-    """
-
-    def __init__(
-        self, client: Client | str, *, name: str = "fully_async", max_queue_size: int = 1000,
-        task: str = "trainer", put_timeout: float | None = None,
-        response_fields: Sequence[str] = (), pad_token_id: int | None = None,
-    ) -> None:  # fmt: skip
-        if type(max_queue_size) is not int or max_queue_size < 1:
+    def __init__(self, queue_actor: MessageQueue) -> None:
+        if not isinstance(queue_actor, MessageQueue):
             raise InvalidRequestError(
-                f"max_queue_size must be an int >= 1 (the samples the queue may hold), got "
-                f"{max_queue_size!r}"
+                f"MessageQueueClient takes the queue that tqstream's MessageQueue.remote(config, "
+                f"max_queue_size) returns, got {type(queue_actor).__name__}: import both "
+                f"MessageQueue and MessageQueueClient from tqstream.adapters.verl"
             )
-        self._owns = isinstance(client, str)
-        self.client = connect(client) if isinstance(client, str) else client
-        self.name, self.task, self.max_queue_size = name, task, max_queue_size
-        self.put_timeout, self.pad_token_id = put_timeout, pad_token_id
-        self.response_fields = tuple(response_fields)
-        self.samples, self.rows, self.validate = name, f"{name}.rows", f"{name}.validate"
-        self.blocked_puts = 0  # put_sample calls that had to wait for room (this object)
-        self.put_timeouts = 0  # ... that gave up after put_timeout, storing nothing
-        self.cleared_samples = 0  # samples removed by clear_queue (this object)
-        try:
-            self.admission = self.client.admission(
-                "slots", name=f"{name}.queue", max_pending_slots=max_queue_size,
-                max_version_slots=_NO_WINDOW,
-            )  # fmt: skip
-            self._create_partitions()
-        except BaseException:
-            self.close()
-            raise
+        self.queue_actor = queue_actor  # verl's name for what it wraps
 
-    def _create_partitions(self) -> None:
-        self.client.create_partition(self.samples, [SAMPLE_FIELD], tasks=[self.task])
-        self.client.create_partition(self.rows)
-        self.client.create_partition(self.validate, [VALUE_FIELD], tasks=[self.task])
+    @property
+    def client(self) -> Client:
+        """This process's connection to the queue's cluster."""
+        return _connect(self.queue_actor.address, self.queue_actor.keys)
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        """Pickled (e.g. by Ray, handing it to an actor) as its address and settings: the
-        unpickled copy connects anew in its process."""
-        build = functools.partial(
-            MessageQueueClient, name=self.name, max_queue_size=self.max_queue_size,
-            task=self.task, put_timeout=self.put_timeout, response_fields=self.response_fields,
-            pad_token_id=self.pad_token_id,
-        )  # fmt: skip
-        return build, (self.client.address,)
-
-    def close(self) -> None:
-        """Close the connection if this object opened it (built from an address)."""
-        if self._owns and hasattr(self, "client"):
-            self.client.close()
+    @property
+    def _admission(self) -> AdmissionHandle:
+        return AdmissionHandle(self.client, self.queue_actor.admission, "slots")
 
     # --- producer ---
-    def _encode(self, sample: Any) -> tuple[dict[str, Any], RowBatch]:
-        """The header and rows of a ``RolloutSample``; raises (nothing stored) on bad input."""
-        if isinstance(sample, (bytes, bytearray, memoryview)):
-            raise InvalidRequestError(
-                f"put_sample got {len(sample)} bytes, a pickled sample (verl 0.9.1's rollouter "
-                f"passes ray.cloudpickle.dumps(rollout_sample)); tqstream never unpickles what it "
-                f"stores, since a peer that can reach it could then run code: pass the "
-                f"RolloutSample itself (and drop the trainer's ray.cloudpickle.loads)"
-            )
-        missing = [a for a in ("full_batch", "sample_id", "epoch", "rollout_status")
-                   if not hasattr(sample, a)]  # fmt: skip
-        if missing:
-            raise InvalidRequestError(
-                f"put_sample needs a verl RolloutSample (or None, the end of the stream), got "
-                f"{type(sample).__name__} without {missing}"
-            )
-        header = {
-            "sample_id": sample.sample_id,
-            "epoch": sample.epoch,
-            "rollout_status": sample.rollout_status,
-        }
-        for key, value in header.items():
-            problem = json_problem(value)
-            if problem is not None:
-                raise SchemaError(
-                    f"RolloutSample.{key} holds {problem}, which would not come back as it was "
-                    f"put; keep it to JSON values"
-                )
-        rows = dataproto_to_rows(
-            sample.full_batch, response_fields=self.response_fields, pad_token_id=self.pad_token_id
-        )
-        return header, rows
-
-    def _keys(self, header: dict[str, Any], rows: RowBatch, slot: int) -> list[str]:
-        header["key"], header["rows"], header["slot"] = uuid.uuid4().hex, len(rows), slot
-        return [f"{header['key']}/{i}" for i in range(len(rows))]
-
     async def put_sample(self, sample: Any) -> bool:
-        """Queue a ``RolloutSample`` (None: the end of the stream, after which getters drain the
-        queue and then get ``(None, 0)``). Waits while the queue is full; True once stored, False
-        if ``put_timeout`` passed first (nothing stored)."""
+        """Queue ``sample``, the bytes of ``ray.cloudpickle.dumps(rollout_sample)`` (None: the end
+        of the stream, see :meth:`shutdown`). True once stored. When the queue is full it waits for
+        room (False if ``put_timeout`` passed first: nothing stored), or with ``drop_oldest``
+        evicts the oldest queued sample to make room and returns False, as verl does."""
         if sample is None:
             await self.shutdown()
             return True
-        header, rows = self._encode(sample)
-        ids = await self.admission.async_try_acquire(1)
-        if not ids:
-            self.blocked_puts += 1
+        blob = _bytes("put_sample", sample)
+        q, client, admission = self.queue_actor, self.client, self._admission
+        dropped = False
+        ids = await admission.async_try_acquire(1)
+        while not ids:
+            if q.drop_oldest and await self._drop_oldest():
+                dropped = True
+                ids = await admission.async_try_acquire(1)
+                continue
+            # wait for room: every queued sample is being taken right now (drop_oldest), or
+            # the trainer takes one (back-pressure)
             try:
-                ids = await self.admission.async_acquire(1, timeout=self.put_timeout)
+                ids = await admission.async_acquire(1, timeout=q.put_timeout)
             except RequestTimeoutError:
-                self.put_timeouts += 1
                 return False
-        keys = self._keys(header, rows, ids[0])
-        meta = None
         try:
-            meta = await self.client.async_put(rows.data, self.rows, keys=keys)
-            await self.client.async_put(
-                {SAMPLE_FIELD: [header]}, self.samples, keys=[header["key"]]
-            )
-        except BaseException:  # undo what was done; the put's error is the one to report
+            await client.async_put({SAMPLE_FIELD: [blob]}, q.name, tags=[{"slot": ids[0]}])
+        except BaseException:  # nothing stored: the slot goes back; the put's error is reported
             with contextlib.suppress(TQStreamError):
-                await self.admission.async_release(ids, "rejected")
-            if meta is not None:
-                with contextlib.suppress(TQStreamError):
-                    await self.client.async_clear_samples(meta)
+                await admission.async_release(ids, "rejected")
             raise
+        return not dropped
+
+    async def _drop_oldest(self) -> bool:
+        """Evict the oldest queued sample (its row freed, its slot released as "dropped");
+        False if none is queued that no getter is taking."""
+        q, client = self.queue_actor, self.client
+        try:
+            meta = await client.async_get_meta(q.name, [SAMPLE_FIELD], 1, TASK, timeout=0)
+        except (RequestTimeoutError, PartitionDrainedError):
+            return False
+        await client.async_clear_samples(meta)
+        await self._admission.async_release(_slots(meta), "dropped")
+        return True
+
+    async def put_validate(self, data: Any) -> bool:
+        """Queue a validation result, the bytes of ``ray.cloudpickle.dumps(...)`` as verl's
+        rollouter passes them, for :meth:`get_validate_sync`."""
+        blob = _bytes("put_validate", data)
+        await self.client.async_put({SAMPLE_FIELD: [blob]}, self.queue_actor.validate)
         return True
 
     # --- consumer ---
-    def _sample(self, header: dict[str, Any], rows: Batch) -> Any:
-        full_batch = rows_to_dataproto(rows, pad_token_id=self.pad_token_id)
-        return _rollout_sample_class()(
-            full_batch=full_batch,
-            sample_id=header["sample_id"],
-            epoch=header["epoch"],
-            rollout_status=header["rollout_status"],
-        )
-
-    @staticmethod
-    def _header(batch: Batch) -> tuple[dict[str, Any], list[str]]:
-        header = batch.data.get(SAMPLE_FIELD).tolist()[0]
-        return header, [f"{header['key']}/{i}" for i in range(header["rows"])]
-
     async def get_sample(self) -> Any | None:
-        """The oldest queued sample as ``(RolloutSample, samples left)``, waiting for one; after
-        the end of the stream, once drained, ``(None, 0)``."""
+        """``(sample bytes, samples still queued)``, the oldest first, waiting for one; after the
+        end of the stream, once the queue is drained, ``(None, 0)``."""
+        q, client = self.queue_actor, self.client
         try:
-            batch = await self.client.async_get(self.samples, [SAMPLE_FIELD], 1, self.task)
+            batch = await client.async_get(q.name, [SAMPLE_FIELD], 1, TASK, auto_ack=True)
         except PartitionDrainedError:
             return None, 0
-        try:
-            header, keys = self._header(batch)
-            rows = await self.client.async_get_by_keys(self.rows, keys)
-            sample = self._sample(header, rows)
-        except BaseException:
-            with contextlib.suppress(TQStreamError):
-                await batch.async_release()
-            raise
-        await batch.async_ack()
-        await self.admission.async_release([header["slot"]], "accepted")
-        await self.client.async_clear_samples(rows.meta)
-        return sample, await self.get_queue_size()
+        await self._admission.async_release(_slots(batch.meta), "accepted")
+        return _blob(batch.data), await self.get_queue_size()
 
     def get_sample_sync(self) -> Any | None:
+        q, client = self.queue_actor, self.client
         try:
-            batch = self.client.get(self.samples, [SAMPLE_FIELD], 1, self.task)
+            batch = client.get(q.name, [SAMPLE_FIELD], 1, TASK, auto_ack=True)
         except PartitionDrainedError:
             return None, 0
-        try:
-            header, keys = self._header(batch)
-            rows = self.client.get_by_keys(self.rows, keys)
-            sample = self._sample(header, rows)
-        except BaseException:
-            with contextlib.suppress(TQStreamError):
-                batch.release()
-            raise
-        batch.ack()
-        self.admission.release([header["slot"]], "accepted")
-        self.client.clear_samples(rows.meta)
-        return sample, self.get_queue_size_sync()
-
-    # --- validation values ---
-    async def put_validate(self, data: Any) -> bool:
-        """Queue a validation result (a JSON value, e.g. metrics) for ``get_validate_sync``."""
-        await self.client.async_put({VALUE_FIELD: [_json_value(data)]}, self.validate)
-        return True
+        self._admission.release(_slots(batch.meta), "accepted")
+        return _blob(batch.data), self.get_queue_size_sync()
 
     def get_validate_sync(self) -> Any | None:
-        """The oldest validation result, or None when there is none (never waits)."""
+        """The oldest validation result's bytes, or None when there is none (never waits)."""
         try:
-            batch = self.client.get(self.validate, [VALUE_FIELD], 1, self.task, timeout=0)
+            batch = self.client.get(
+                self.queue_actor.validate, [SAMPLE_FIELD], 1, TASK, timeout=0, auto_ack=True
+            )
         except (RequestTimeoutError, PartitionDrainedError):
             return None
-        batch.ack()
-        return batch.data.get(VALUE_FIELD).tolist()[0]
+        return _blob(batch.data)
 
     # --- state ---
-    def _size(self, part: PartitionStats | None) -> int:
-        if part is None:
-            return 0
-        t = part.tasks.get(self.task)
-        return part.rows if t is None else t.available
-
-    def _statistics(self, part: PartitionStats | None) -> dict[str, Any]:
-        return {
-            "queue_size": self._size(part),
-            "total_produced": 0 if part is None else part.produced,
-            "total_consumed": 0 if part is None else part.freed,
-            "dropped_samples": 0 if part is None else part.stale_dropped + part.expired,
-            "max_queue_size": self.max_queue_size,
-            "blocked_puts": self.blocked_puts,
-            "put_timeouts": self.put_timeouts,
-            "cleared_samples": self.cleared_samples,
-        }
-
     async def get_queue_size(self) -> int:
-        """Samples queued and not yet taken by a get."""
-        return self._size(
-            (await self.client.async_stats(self.samples)).partitions.get(self.samples)
-        )
+        """Samples queued and not yet taken."""
+        return self._statistics(await self.client.async_stats(self.queue_actor.name))["queue_size"]
 
     def get_queue_size_sync(self) -> int:
-        return self._size(self.client.stats(self.samples).partitions.get(self.samples))
+        return self._statistics(self.client.stats(self.queue_actor.name))["queue_size"]
 
     async def get_statistics(self) -> dict[str, Any]:
-        """verl's counters (``queue_size``, ``total_produced``, ``total_consumed``,
-        ``dropped_samples``: always 0 here, ``max_queue_size``) plus this object's back-pressure
-        counters (``blocked_puts``, ``put_timeouts``) and ``cleared_samples``."""
-        stats = await self.client.async_stats(self.samples)
-        return self._statistics(stats.partitions.get(self.samples))
+        """verl's keys: ``queue_size``, ``total_produced`` (samples stored), ``total_consumed``
+        (taken by ``get_sample``), ``dropped_samples`` (evicted by ``drop_oldest``),
+        ``max_queue_size``; counted at the controller, so every process sees the same."""
+        return self._statistics(await self.client.async_stats(self.queue_actor.name))
 
     def get_statistics_sync(self) -> dict[str, Any]:
-        return self._statistics(self.client.stats(self.samples).partitions.get(self.samples))
+        return self._statistics(self.client.stats(self.queue_actor.name))
+
+    def _statistics(self, stats: Stats) -> dict[str, Any]:
+        q = self.queue_actor
+        part = stats.partitions.get(q.name)
+        task = None if part is None else part.tasks.get(TASK)
+        queued = 0 if part is None else part.rows if task is None else task.available
+        return {
+            "queue_size": queued,  # a task no get has named yet has no stats: all rows wait
+            "total_produced": 0 if part is None else part.produced,
+            "total_consumed": 0 if task is None else task.consumed,
+            "dropped_samples": int(stats.admissions.get(q.admission, {}).get("dropped", 0)),
+            "max_queue_size": q.max_queue_size,
+        }
 
     async def get_memory_usage(self) -> dict:
-        """``queue_samples`` and the bytes the storage units hold (every partition's)."""
-        stats = await self.client.async_stats(self.samples)
+        """``queue_samples``, and the bytes the cluster's storage units hold (every partition's)."""
+        stats = await self.client.async_stats(self.queue_actor.name)
         nbytes = stats.storage_bytes
         return {
-            "queue_samples": self._size(stats.partitions.get(self.samples)),
+            "queue_samples": self._statistics(stats)["queue_size"],
             "estimated_memory_bytes": nbytes,
             "estimated_memory_mb": nbytes / (1024 * 1024),
         }
 
     async def clear_queue(self) -> None:
-        """Remove every queued sample (counted in ``cleared_samples``) and give their room back."""
-        keys = await self.client.async_list_keys(self.samples)
-        if keys:
-            batch = await self.client.async_get_by_keys(self.samples, keys, [SAMPLE_FIELD])
-            slots = [h["slot"] for h in batch.data.get(SAMPLE_FIELD).tolist()]
-            await self.admission.async_release(slots, "rejected")
-        for partition in (self.samples, self.rows):
-            await self.client.async_clear_partition(partition)
-        await self.client.async_create_partition(self.samples, [SAMPLE_FIELD], tasks=[self.task])
-        await self.client.async_create_partition(self.rows)
-        self.cleared_samples += len(keys)
+        """Remove every queued sample and give its room back (released as "rejected"); the
+        counters of ``get_statistics`` stay."""
+        q, client, admission = self.queue_actor, self.client, self._admission
+        while n := await self.get_queue_size():
+            try:
+                meta = await client.async_get_meta(q.name, [SAMPLE_FIELD], n, TASK, timeout=0)
+            except RequestTimeoutError:
+                continue  # a getter took some meanwhile: count again
+            except PartitionDrainedError:
+                return
+            await client.async_clear_samples(meta)
+            await admission.async_release(_slots(meta), "rejected")
 
     async def shutdown(self) -> None:
-        """The end of the stream: no more samples; getters drain the queue, then get
-        ``(None, 0)``."""
-        await self.client.async_close_partition(self.samples)
+        """The end of the stream: puts are refused from now on (PartitionClosedError); getters
+        drain the queue, then get ``(None, 0)``."""
+        await self.client.async_close_partition(self.queue_actor.name)
 
     # --- checkpoints: transfer_queue's save_checkpoint / load_checkpoint, as verl calls them ---
     def save_checkpoint(
@@ -326,12 +306,11 @@ class MessageQueueClient:
         metadata: dict[str, Any] | None = None,
     ) -> CheckpointSummary:
         """verl's ``tq.save_checkpoint(path, metadata={"global_steps": step})``: a consistent
-        checkpoint of the whole buffer (this queue's samples, their admission slots, and every
-        other partition of the cluster) in directory ``checkpoint_dir``, replaced atomically if
-        it exists. Blocking, as verl's trainer calls it (``async_save_checkpoint``: the
-        coroutine). ``include_storage`` is accepted for its signature and ignored: the samples
-        are in memory, so they are always saved (TransferQueue's in-memory storage ignores it
-        too). See docs/checkpoints.md."""
+        checkpoint of the whole cluster (this queue's samples, their slots, every other partition)
+        in directory ``checkpoint_dir``, replaced atomically if it exists. Blocking, as verl's
+        trainer calls it (``async_save_checkpoint``: the coroutine). ``include_storage`` is
+        accepted for its signature and ignored: the samples are in memory, so they are always
+        saved (TransferQueue's in-memory storage ignores it too). See docs/checkpoints.md."""
         return self.client.save_checkpoint(checkpoint_dir, metadata=metadata)
 
     async def async_save_checkpoint(
@@ -344,10 +323,9 @@ class MessageQueueClient:
         return await self.client.async_save_checkpoint(checkpoint_dir, metadata=metadata)
 
     def load_checkpoint(self, checkpoint_dir: str | os.PathLike[str]) -> CheckpointSummary:
-        """verl's ``tq.load_checkpoint(path)``, into a cluster that holds no samples yet (this
-        queue's own partitions, empty since it was built, are replaced): then ``get_sample``
-        returns the samples that were queued at the save, oldest first, and the queue's slots
-        count them as before."""
+        """verl's ``tq.load_checkpoint(path)``, into a cluster that holds no samples yet (the
+        queue, empty since ``MessageQueue.remote`` made it, is replaced): then ``get_sample``
+        returns the samples queued at the save, oldest first, their slots counted as before."""
         return self.client.load_checkpoint(checkpoint_dir)
 
     async def async_load_checkpoint(
@@ -356,11 +334,97 @@ class MessageQueueClient:
         return await self.client.async_load_checkpoint(checkpoint_dir)
 
 
-def _json_value(data: Any) -> Any:
-    problem = json_problem(data)
-    if problem is not None:
-        raise SchemaError(
-            f"put_validate data holds {problem}; tqstream stores validation results as JSON "
-            f"values (e.g. a dict of metrics), never pickled"
+# --- helpers ---
+def _queue_size(value: Any) -> int:
+    try:
+        size = operator.index(value) if type(value) is not bool else 0
+    except TypeError:
+        size = 0
+    if size < 1:
+        raise InvalidRequestError(
+            f"max_queue_size must be an int >= 1 (the samples the queue may hold), got {value!r}"
         )
-    return data
+    return size
+
+
+def _bytes(call: str, value: Any) -> bytes | bytearray:
+    if isinstance(value, (bytes, bytearray)):
+        return value
+    raise InvalidRequestError(
+        f"{call} stores bytes (verl 0.9.1's rollouter passes ray.cloudpickle.dumps(...)), got "
+        f"{type(value).__name__}: pass ray.cloudpickle.dumps(value) and ray.cloudpickle.loads "
+        f"what comes back"
+    )
+
+
+def _slots(meta: BatchMeta) -> list[int]:
+    """The slots the rows of ``meta`` hold (a row put there by other means holds none)."""
+    return [slot for tags in meta.tags if isinstance(slot := tags.get("slot"), int)]
+
+
+def _blob(data: Any) -> bytes:
+    return bytes(data.get(SAMPLE_FIELD).tolist()[0])
+
+
+_lock = threading.Lock()
+_clients: dict[tuple[str, str], tuple[int, Client]] = {}
+"""This process's connection to each cluster a queue lives in, by (address, key file): the queue's
+clients share it, and it lives as long as the process (an embedded cluster lives in it)."""
+_embedded: tuple[int, Client] | None = None  # the cluster this process runs, if any
+_launched: list[Any] = []  # the Ray clusters this process launched (their actors end with it)
+
+
+def _cluster(cluster: Client | str | None) -> Client:
+    """The client of the cluster a new queue goes to (see ``MessageQueue.remote``)."""
+    if isinstance(cluster, Client):
+        with _lock:  # the queue's clients in this process use it
+            _clients[(cluster.address, cluster.config.keys)] = (os.getpid(), cluster)
+        return cluster
+    if isinstance(cluster, str):
+        return _connect(cluster, from_env(ClientConfig).keys)
+    if cluster is not None:
+        raise InvalidRequestError(
+            f"cluster must be a tqstream Client, an address 'tcp://HOST:PORT' or None (the job's "
+            f"cluster), got {type(cluster).__name__}"
+        )
+    ray = sys.modules.get("ray")  # a Ray job has imported Ray
+    if ray is not None and ray.is_initialized():
+        address, keys = _ray_cluster()
+        return _connect(address, keys)
+    global _embedded
+    with _lock:
+        if _embedded is None or _embedded[0] != os.getpid() or _embedded[1].closed:
+            import tqstream
+
+            client = tqstream.init()
+            _embedded = (os.getpid(), client)
+            _clients[(client.address, client.config.keys)] = _embedded
+        return _embedded[1]
+
+
+def _ray_cluster() -> tuple[str, str]:
+    """Address and key file of this job's Ray cluster ``RAY_CLUSTER``, launched if none runs."""
+    from tqstream.ray import RayCluster, launch
+
+    try:
+        found = RayCluster.attach(RAY_CLUSTER)
+    except ConnectError:
+        try:
+            found = launch(1, name=RAY_CLUSTER)
+            _launched.append(found)
+        except ValueError:  # another process of the job launched it meanwhile
+            found = RayCluster.attach(RAY_CLUSTER)
+    return found.address, found.keys
+
+
+def _connect(address: str, keys: str) -> Client:
+    """This process's client of the cluster at ``address`` (made on first use)."""
+    with _lock:
+        pid, client = _clients.get((address, keys), (0, None))
+        if client is None or pid != os.getpid() or client.closed:
+            config = from_env(ClientConfig)
+            if keys and not config.keys:
+                config = dataclasses.replace(config, keys=keys)
+            client = Client(address, config)
+            _clients[(address, keys)] = (os.getpid(), client)
+        return client
