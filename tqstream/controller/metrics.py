@@ -50,7 +50,18 @@ LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 # admission state keys that only grow: exported as counters, the rest as gauges
 _ADMISSION_COUNTERS = frozenset(
-    {"granted", "accepted", "rejected", "enqueued", "dropped", "resets"}
+    {
+        "granted",
+        "accepted",
+        "rejected",
+        "enqueued",
+        "dropped",
+        "resets",
+        "unmatched",
+        "clamped",
+        "left",
+        "returned",
+    }
 )
 
 
