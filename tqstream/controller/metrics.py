@@ -308,6 +308,8 @@ def _families(s: Sample, started: float) -> Iterator[Metric]:
         for key, value in state.items():
             if isinstance(value, str):
                 continue
+            if style == "budget" and key == "enqueued":
+                key = "waiting"  # a budget's enqueued inputs go up and down: a gauge of its own
             counter = key in _ADMISSION_COUNTERS
             metric = f"tqstream_admission_{key}"
             fam = families.get(metric)
