@@ -35,6 +35,7 @@ GROUPS = (
     "weightsync",
     "rollout",
     "verl-kv",
+    "areal-staleness",
     "sweep",
 )
 # the verl-kv scenario's systems (benchmarks/test_verl_kv.py) are its own: tqstream's first

@@ -2,7 +2,8 @@
 
 AReaL's own machinery produces: a ``WorkflowExecutor`` runs a ``RolloutWorkflow`` (a toy one:
 each sample counts up from its prompt and is rewarded when it stops at the answer), grouped by
-AReaL's ``GroupedRolloutWorkflow``, with tqstream's ``StalenessManager`` injected; its
+AReaL's ``GroupedRolloutWorkflow``. After ``tqstream.adapters.areal.install()`` the executor
+builds tqstream's ``StalenessManager`` itself, its budget at the controller; its
 ``prepare_batch`` keeps as many episodes in flight as AReaL's capacity formula allows.
 ``ExperienceWorkflow`` stores each accepted group the moment it finishes. A trainer loop reads
 whole groups through the head-version window (``prepare_batch``'s shape: one padded dict per
@@ -29,7 +30,7 @@ from areal.utils.data import concat_padded_tensors
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import tqstream
-from tqstream.adapters.areal import ArealExperience, ExperienceWorkflow, StalenessManager
+from tqstream.adapters.areal import ArealExperience, ExperienceWorkflow, install
 
 
 class Engine:
@@ -74,16 +75,17 @@ def main() -> None:
     args = ap.parse_args()
     random.seed(0)
 
-    client = tqstream.init()  # embedded controller + storage unit
+    install()  # AReaL's WorkflowExecutor now builds tqstream's StalenessManager
+    client = tqstream.default_client()  # the cluster the manager uses: embedded in this process
     engine = Engine()
     # AReaL's settings; consumer_batch_size counts episodes (prompts), as in AReaL
     config = InferenceEngineConfig(
         consumer_batch_size=args.prompts, max_concurrent_rollouts=4, max_head_offpolicyness=1
     )
-    manager = StalenessManager.from_config(client, config, engine)  # global budget
     experience = ArealExperience.from_config(client, config)  # window = max_head_offpolicyness
-    executor = WorkflowExecutor(config, engine, staleness_manager=manager)
+    executor = WorkflowExecutor(config, engine)  # unchanged AReaL
     executor.initialize(train_data_parallel_size=1)
+    manager = executor.staleness_manager
     grouped = GroupedRolloutWorkflow(CountingWorkflow(), args.group_size, logging.getLogger())
     workflow = ExperienceWorkflow(grouped, experience)
     prompts = [{"prompt": [k, k + 1], "answer": k + 4} for k in range(64)]

@@ -6,6 +6,7 @@ only when those integrations are used).
 
     client = tqstream.init()                      # embedded controller + storage unit
     client = tqstream.connect("tcp://HOST:PORT")  # a cluster started by tqstream-launch
+    client = tqstream.default_client()            # the process's: $TQSTREAM_ADDRESS, else embedded
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _LAZY = {
     "TaskStats": "tqstream.types",
     "UnitStats": "tqstream.types",
     "connect": "tqstream.client.client",
+    "default_client": "tqstream.launch.default",
     "generate_keys": "tqstream.protocol.auth",
     "init": "tqstream.launch.embedded",
 }

@@ -11,7 +11,23 @@ import dataclasses
 import os
 from typing import Any, TypeVar
 
-__all__ = ["ClientConfig", "ControllerConfig", "StorageConfig", "from_env"]
+__all__ = [
+    "ADDRESS_ENV",
+    "AREAL_BUDGET_ENV",
+    "ClientConfig",
+    "ControllerConfig",
+    "StorageConfig",
+    "environment",
+    "from_env",
+]
+
+ADDRESS_ENV = "TQSTREAM_ADDRESS"
+"""The cluster a process uses when it is given no client (``tqstream/launch/default.py``): a
+``tcp://HOST:PORT`` address (its key file, if any, in ``TQSTREAM_KEYS``); unset: the process
+starts its own embedded cluster."""
+AREAL_BUDGET_ENV = "TQSTREAM_AREAL_BUDGET"
+"""The budget that AReaL ``StalenessManager`` s built without a name share (set it for every
+rank: ``docs/adapters/areal.md``); unset: each keeps a budget of its own."""
 
 GiB = 1 << 30
 DEFAULT_MAX_MESSAGE_BYTES = 2 * GiB
@@ -87,6 +103,11 @@ class ClientConfig:
 
 
 _C = TypeVar("_C")
+
+
+def environment(name: str) -> str:
+    """Environment variable ``name`` (one of this module's ``*_ENV``), stripped; "" if unset."""
+    return os.environ.get(name, "").strip()
 
 
 def from_env(cls: type[_C], **overrides: Any) -> _C:

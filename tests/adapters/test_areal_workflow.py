@@ -102,7 +102,7 @@ def test_standalone_under_asyncio(
     client: tqstream.Client, partition: str, dtype: torch.dtype
 ) -> None:
     engine = Engine(version=2)
-    manager = StalenessManager(client, engine, 8, 4, 1, name=partition)
+    manager = StalenessManager(engine, 8, 4, 1, client=client, name=partition)
     exp = ArealExperience(client, partition=partition)
     workflow = CountingWorkflow(n=2, dtype=dtype)
     wrapped = ExperienceWorkflow(workflow, exp, staleness_manager=manager)
@@ -128,7 +128,7 @@ def test_standalone_under_asyncio(
 
 def test_rejected_episodes_store_nothing(client: tqstream.Client, partition: str) -> None:
     engine = Engine()
-    manager = StalenessManager(client, engine, 4, 4, 0, name=partition)
+    manager = StalenessManager(engine, 4, 4, 0, client=client, name=partition)
     exp = ArealExperience(client, partition=partition)
     wrapped = ExperienceWorkflow(
         CountingWorkflow(), exp, staleness_manager=manager,
@@ -152,7 +152,7 @@ def test_rejected_episodes_store_nothing(client: tqstream.Client, partition: str
 
 def test_bad_trajectory_is_rejected(client: tqstream.Client, partition: str) -> None:
     engine = Engine()
-    manager = StalenessManager(client, engine, 4, 2, 0, name=partition)
+    manager = StalenessManager(engine, 4, 2, 0, client=client, name=partition)
     wrapped = ExperienceWorkflow(
         CountingWorkflow(), ArealExperience(client, partition=partition), staleness_manager=manager
     )
@@ -166,7 +166,7 @@ def test_bad_trajectory_is_rejected(client: tqstream.Client, partition: str) -> 
 @pytest.mark.parametrize("version", [None, "2"])
 def test_engine_without_a_version(client: tqstream.Client, partition: str, version: Any) -> None:
     engine = Engine(version=0)
-    manager = StalenessManager(client, engine, 4, 2, 0, name=partition)
+    manager = StalenessManager(engine, 4, 2, 0, client=client, name=partition)
     wrapped = ExperienceWorkflow(
         CountingWorkflow(), ArealExperience(client, partition=partition), staleness_manager=manager
     )
@@ -197,7 +197,7 @@ def _executor(
     config = InferenceEngineConfig(
         consumer_batch_size=4, max_concurrent_rollouts=4, max_head_offpolicyness=1
     )
-    manager = StalenessManager.from_config(client, config, engine, name=partition)
+    manager = StalenessManager(engine, 4, 4, 1, client=client, name=partition)
     executor = WorkflowExecutor(config, engine, staleness_manager=manager)  # type: ignore[arg-type]
     executor.initialize(train_data_parallel_size=1)
     return executor, manager

@@ -22,6 +22,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import tqstream
+from tqstream.client.budget import BudgetMember
 from tqstream.launch.processes import ProcessCluster
 
 DOCS = Path(__file__).parents[2] / "docs" / "observability.md"
@@ -259,7 +260,9 @@ def test_every_metric_is_documented() -> None:
             ("per_version", {"max_per_version": 2, "update_interval": 1}),
         ):
             client.admission(style, name=style, **config)
+        member = BudgetMember(client, "budget", 2, 2, 1)  # an AReaL StalenessManager's budget
         m = Scrape(f"http://127.0.0.1:{port}/metrics")
+        assert member.state()["members"] == 1  # still a member when scraped
     finally:
         client.close()
     exported = set()

@@ -55,6 +55,7 @@ def test_controller_and_storage_never_import_each_other() -> None:
 def test_pure_state_modules_do_no_io() -> None:
     pure = [
         "tqstream.controller.views",
+        "tqstream.controller.budget",
         "tqstream.controller.partition",
         "tqstream.controller.placement",
         "tqstream.controller.snapshot",

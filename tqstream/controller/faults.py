@@ -6,7 +6,8 @@ A *peer* is one client connection (the service learns from the transport when it
 process died, its host went away, or it missed heartbeats). Whatever the peer held is given back at
 once instead of at its deadlines: its parked gets, acquires and waiting puts are forgotten (nobody
 is there to answer), its uncommitted puts rolled back, its leases released (the rows are available
-again, as after a lease expiry) and its admission slots released as rejected (capacity comes back).
+again, as after a lease expiry), its admission slots released as rejected (capacity comes back)
+and its StalenessManagers leave their budgets (their running rollouts come back).
 
 A lost unit takes the rows it alone held with it: they are removed for every task and counted as
 ``lost`` per partition and per task (a task that had acked a row does not count it). Rows with a
@@ -21,6 +22,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.admission import Admission
+from tqstream.controller.budget import Budgets
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import Effects, Lease, Parked, PendingPut
@@ -37,6 +39,7 @@ class Faults:
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
     admissions: dict[str, tuple[Admission, str, dict[str, int]]]
+    budgets: Budgets
     slot_owners: dict[str, dict[int, Any]]
     finished_puts: OrderedDict[int, str]
     outbox: Effects
@@ -131,6 +134,7 @@ class Faults:
             if mine and name in self.admissions:
                 self.admissions[name][0].release(mine, "rejected")
                 self._wake_acquires(name)
+        self.budgets.drop_peer(peer)
         for name in touched:
             self._serve_parked(name, effects, now)
         return effects

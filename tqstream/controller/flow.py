@@ -16,7 +16,9 @@ from tqstream.controller.admission import (
     SlotAdmission,
     make_admission,
 )
+from tqstream.controller.budget import Budgets
 from tqstream.controller.partition import Partition
+from tqstream.controller.peers import peer_of
 from tqstream.controller.records import Effects
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
@@ -26,11 +28,19 @@ from tqstream.errors import (
     RequestTimeoutError,
     TQStreamError,
 )
-from tqstream.protocol.messages import Acquire, PreparePut, PutPlan, Slots, StoredReply
+from tqstream.protocol.messages import (
+    Acquire,
+    BudgetReport,
+    PreparePut,
+    PutPlan,
+    Slots,
+    StoredReply,
+)
 
 
 class FlowControl:
     admissions: dict[str, tuple[Admission, str, dict[str, int]]]
+    budgets: Budgets
     waiting_acquires: dict[Any, tuple[Acquire, float]]
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     units: UnitTable
@@ -94,6 +104,11 @@ class FlowControl:
     def create_admission(self, name: str, style: str, config: dict[str, int]) -> None:
         """Create admission ``name``; creating it again with the same settings is a no-op, so
         every producer and trainer process can call it at start-up."""
+        if name in self.budgets:
+            raise AdmissionError(
+                f"{name!r} is a StalenessManager budget; give the admission another name",
+                name=name,
+            )
         existing = self.admissions.get(name)
         if existing is not None:
             if (existing[1], existing[2]) != (style, config):
@@ -203,13 +218,41 @@ class FlowControl:
                 capacity = adm.get_capacity(version)
         return adm.state(), capacity
 
+    def budget_report(self, req: BudgetReport, handle: Any = None) -> dict[str, int | float | str]:
+        """One StalenessManager's report (``controller/budget.py``); the budget's state after it,
+        with ``capacity`` at ``req.version`` when asked."""
+        if req.name in self.admissions:
+            raise AdmissionError(
+                f"{req.name!r} is a {self.admissions[req.name][1]} admission, not a "
+                f"StalenessManager budget; give the manager another name",
+                name=req.name,
+            )
+        counts = (req.enqueued, req.running, req.accepted, req.rejected)
+        limits = (req.max_concurrent, req.consumer_batch_size, req.max_staleness)
+        budget = self.budgets.report(
+            req.name, req.member, peer_of(handle), limits, req.seq, counts, req.unmatched,
+            req.leave,
+        )  # fmt: skip
+        if budget is None:
+            return {"style": "budget", "members": 0}
+        state = budget.state()
+        if req.version is not None:
+            state["capacity"] = budget.capacity(req.version)
+        return state
+
     def _budget_back(self, p: Partition, dropped: int) -> None:
-        """Stale evictions of a partition fed by a capacity admission return their budget."""
+        """Stale evictions of a partition fed by a capacity admission or a StalenessManager
+        budget return their budget."""
         name = p.admission
-        entry = self.admissions.get(name) if name else None
-        if dropped and name and entry is not None and isinstance(entry[0], CapacityAdmission):
+        if not dropped or not name:
+            return
+        entry = self.admissions.get(name)
+        if entry is not None and isinstance(entry[0], CapacityAdmission):
             entry[0].on_dropped(dropped)
             self._wake_acquires(name)
+        elif name in self.budgets:
+            self.budgets.by_name[name].on_dropped(dropped)
 
     def admission_stats(self) -> dict[str, dict[str, int | float | str]]:
-        return {name: entry[0].state() for name, entry in sorted(self.admissions.items())}
+        states = {name: entry[0].state() for name, entry in self.admissions.items()}
+        return dict(sorted({**states, **self.budgets.states()}.items()))

@@ -50,7 +50,18 @@ LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 # admission state keys that only grow: exported as counters, the rest as gauges
 _ADMISSION_COUNTERS = frozenset(
-    {"granted", "accepted", "rejected", "enqueued", "dropped", "resets"}
+    {
+        "granted",
+        "accepted",
+        "rejected",
+        "enqueued",
+        "dropped",
+        "resets",
+        "unmatched",
+        "clamped",
+        "left",
+        "returned",
+    }
 )
 
 
@@ -297,6 +308,8 @@ def _families(s: Sample, started: float) -> Iterator[Metric]:
         for key, value in state.items():
             if isinstance(value, str):
                 continue
+            if style == "budget" and key == "enqueued":
+                key = "waiting"  # a budget's enqueued inputs go up and down: a gauge of its own
             counter = key in _ADMISSION_COUNTERS
             metric = f"tqstream_admission_{key}"
             fam = families.get(metric)

@@ -36,6 +36,7 @@ from tqstream.protocol.messages import (
     AdmissionInfo,
     AdmissionReply,
     AdmissionVersion,
+    BudgetReport,
     ClearPartition,
     ClearSamples,
     ClosePartition,
@@ -289,6 +290,10 @@ class ControllerService:
                     return Ok(rid=msg.rid)
                 case AdmissionInfo():
                     state, capacity = s.admission_info(msg.name, msg.version, msg.enqueued)
+                    return AdmissionReply(rid=msg.rid, state=state, capacity=capacity)
+                case BudgetReport():
+                    state = s.budget_report(msg, responder)
+                    capacity = None if msg.version is None else int(state["capacity"])
                     return AdmissionReply(rid=msg.rid, state=state, capacity=capacity)
                 case ClearSamples():
                     n = len(msg.row_ids)

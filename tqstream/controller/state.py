@@ -24,6 +24,7 @@ import msgspec
 from tqstream.controller.admission import (
     Admission,
 )
+from tqstream.controller.budget import Budgets
 from tqstream.controller.deadlines import Deadlines
 from tqstream.controller.faults import Faults
 from tqstream.controller.flow import FlowControl
@@ -83,6 +84,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.now = 0.0  # the latest time seen: a put woken by freed bytes is planned at it
         self.admissions: dict[str, tuple[Admission, str, dict[str, int]]] = {}
         self.waiting_acquires: dict[Any, tuple[Acquire, float]] = {}  # handle -> (req, since)
+        self.budgets = Budgets()  # StalenessManagers' pooled budgets
         self.pending: dict[int, PendingPut] = {}
         self.leases: dict[int, Lease] = {}
         self.finished_leases: OrderedDict[int, str] = OrderedDict()

@@ -44,6 +44,7 @@ Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
 Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 Ids = Annotated[list[Id], msgspec.Meta(max_length=MAX_LIST)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_PUT_ROWS)]
+Signed = Annotated[int, msgspec.Meta(ge=-MAX_ID, le=MAX_ID)]
 Names = Annotated[list[str], msgspec.Meta(max_length=MAX_LIST)]
 
 MAX_TAGS = 64
@@ -392,6 +393,27 @@ class AdmissionInfo(_Msg, frozen=True, tag="admission_info"):
     enqueued: Count = 0
 
 
+class BudgetReport(_Msg, frozen=True, tag="budget_report"):
+    """Member ``member`` (a key its client chose) of budget ``name`` reports its share of the
+    limits and its own counts (AReaL's ``RolloutStat``), whole and numbered ``seq``: a report that
+    arrives after a newer one changes no count. The first report joins; ``leave`` leaves. With
+    ``version``, the reply carries the budget's capacity at that version."""
+
+    name: str
+    member: Id
+    seq: Id
+    max_concurrent: Signed
+    consumer_batch_size: Signed
+    max_staleness: Signed
+    enqueued: Signed = 0
+    running: Signed = 0
+    accepted: Signed = 0
+    rejected: Signed = 0
+    unmatched: Id = 0  # callbacks with nothing to match (see controller/budget.py)
+    version: Id | None = None
+    leave: bool = False
+
+
 # --- checkpoints ---
 class SaveCheckpoint(_Msg, frozen=True, tag="save_checkpoint"):
     """Write a consistent snapshot of the buffer to directory ``path`` (absolute, on the
@@ -464,6 +486,7 @@ Request = (
     | ReleaseSlots
     | AdmissionVersion
     | AdmissionInfo
+    | BudgetReport
     | SaveCheckpoint
     | LoadCheckpoint
     | SaveUnit

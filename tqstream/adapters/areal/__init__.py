@@ -1,9 +1,9 @@
 """tqstream as AReaL expects to see it: its staleness manager, its workflows, its batches.
 
-- :class:`StalenessManager` — AReaL's ``StalenessManager`` (same methods, ``RolloutStat``
-  counters, capacity formula) with its budget kept at the tqstream controller: global across
-  data-parallel ranks and producer processes, restored by ``on_version_recovered``. Inject it with
-  ``WorkflowExecutor(config, engine, staleness_manager=...)``.
+- :class:`StalenessManager` — AReaL's ``StalenessManager`` (same arguments, methods,
+  ``RolloutStat`` counters, capacity formula) with its budget kept at the tqstream controller,
+  where managers of several ranks and processes can pool it. :func:`install` makes AReaL's own
+  ``WorkflowExecutor`` build it; or inject one with ``WorkflowExecutor(..., staleness_manager=)``.
 - :class:`ExperienceWorkflow` — wraps any ``RolloutWorkflow``; each accepted episode result is
   stored as one group of unpadded rows (per-token ``versions`` with -1 on prompt tokens,
   ``logprobs``, ``loss_mask``, ``rewards``; dtypes as given).
@@ -32,7 +32,7 @@ from tqstream.adapters.areal.experience import (  # noqa: E402  (after the frame
     ArealBatch,
     ArealExperience,
 )
-from tqstream.adapters.areal.staleness import StalenessManager  # noqa: E402
+from tqstream.adapters.areal.staleness import StalenessManager, install  # noqa: E402
 from tqstream.adapters.areal.workflow import ExperienceWorkflow  # noqa: E402
 from tqstream.experience import StalenessPolicy  # noqa: E402
 
@@ -43,4 +43,5 @@ __all__ = [
     "ExperienceWorkflow",
     "StalenessManager",
     "StalenessPolicy",
+    "install",
 ]

@@ -186,7 +186,8 @@ class ArealExperience:
             )
         handle = admission
         if admission is not None and not isinstance(admission, AdmissionHandle):
-            handle = admission.admission
+            # the partition names its manager's budget: the controller returns stale drops there
+            handle = AdmissionHandle(client, admission.name, "budget")
         self.fields, self.pad_value = names, pad_value
         self.experience = Experience(
             client, partition=partition, fields=names, staleness=staleness, admission=handle,

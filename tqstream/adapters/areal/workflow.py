@@ -15,7 +15,6 @@ give the wrapper the :class:`StalenessManager` and it reports them itself.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from areal.utils.data import concat_padded_tensors
 
 from tqstream.adapters.areal.experience import ArealExperience
 from tqstream.adapters.areal.staleness import StalenessManager
-from tqstream.errors import InvalidRequestError, SchemaError, TQStreamError
+from tqstream.errors import InvalidRequestError, SchemaError
 
 __all__ = ["ExperienceWorkflow"]
 
@@ -110,10 +109,9 @@ class ExperienceWorkflow(RolloutWorkflow):  # type: ignore[misc]
             traj = await self._run(engine, data)
         except BaseException:
             self.failed += 1
-            with contextlib.suppress(TQStreamError):  # the episode's own error is the one to see
-                await self._report(accepted=False)
+            self._report(accepted=False)
             raise
-        await self._report(accepted=traj is not None)
+        self._report(accepted=traj is not None)
         return traj
 
     async def _run(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
@@ -129,12 +127,12 @@ class ExperienceWorkflow(RolloutWorkflow):  # type: ignore[misc]
         self.stored += 1
         return traj
 
-    async def _report(self, accepted: bool) -> None:
+    def _report(self, accepted: bool) -> None:
         """End this rollout at the standalone manager (under an executor, the executor does)."""
         manager = self.staleness_manager
         if manager is None:
             return
-        if accepted:
-            await manager.async_on_rollout_accepted()
+        if accepted:  # counted here; it never waits for the controller
+            manager.on_rollout_accepted()
         else:
-            await manager.async_on_rollout_rejected()
+            manager.on_rollout_rejected()
