@@ -17,6 +17,7 @@ from typing import Any
 
 from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows, stored_fields
 from tqstream.adapters.verl.groups import check_version
+from tqstream.adapters.verl.layout import LAYOUT_FIELD
 from tqstream.adapters.verl.rebuild import rows_to_dataproto
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
@@ -154,7 +155,7 @@ class VerlExperience:
                 f"DataProto keys) to VerlExperience or get_experience so the trainer can wait for "
                 f"producers"
             )
-        return stored_fields(part.schemas)
+        return [*(k for k in part.schemas if k != LAYOUT_FIELD), LAYOUT_FIELD]
 
     def _need_stats(self, fields: Sequence[str] | None) -> bool:
         return fields is None and self.fields is None
