@@ -244,21 +244,36 @@ def _pad_token(
     r_keep: torch.Tensor,
     pad_token_id: int | None,
 ) -> int | None:
-    """The pad id every padding position holds (checked); inferred when not given."""
+    """The pad id every padding position holds (checked); inferred when not given: the id at
+    the first padding position, which every other one must then hold too."""
     if pad_token_id is None:
-        seen = torch.cat([prompts[~p_keep], responses[~r_keep]]).unique()
-        if seen.numel() > 1:
+        pad_token_id = _first_outside(prompts, p_keep)
+        if pad_token_id is None:
+            pad_token_id = _first_outside(responses, r_keep)
+        if pad_token_id is None:
+            return None
+        agree = all(
+            bool(((t == pad_token_id) | keep).all())
+            for t, keep in ((prompts, p_keep), (responses, r_keep))
+        )
+        if not agree:
+            seen = torch.cat([prompts[~p_keep], responses[~r_keep]]).unique()
             raise InvalidRequestError(
                 f"the padding positions of prompts/responses (attention_mask 0) hold several "
                 f"token ids {seen.tolist()[:8]}, but verl pads with one pad_token_id: the masks "
                 f"disagree with the padding (or pass pad_token_id= to find the position)"
             )
-        pad_token_id = int(seen[0]) if seen.numel() else None
-        if pad_token_id is None:
-            return None
+        return pad_token_id
     padding.check_padding("prompts", prompts, p_keep, pad_token_id, "left of the prompt")
     padding.check_padding("responses", responses, r_keep, pad_token_id, "right of the response")
     return pad_token_id
+
+
+def _first_outside(t: torch.Tensor, keep: torch.Tensor) -> int | None:
+    """The value at the first position ``keep`` leaves out (row-major), None if there is none."""
+    outside = ~keep.reshape(-1)
+    first = int(outside.to(torch.uint8).argmax()) if outside.numel() else 0
+    return int(t.reshape(-1)[first]) if outside.numel() and bool(outside[first]) else None
 
 
 def _check_prompt_start(
@@ -305,7 +320,7 @@ def _derived(
 
 def _strip_response_field(
     key: str, t: torch.Tensor, r_keep: torch.Tensor, r_width: int
-) -> list[torch.Tensor]:
+) -> torch.Tensor:
     if t.ndim < 2 or t.shape[1] != r_width:
         raise InvalidRequestError(
             f"{key} has shape {list(t.shape)} but responses is {r_width} tokens wide: a "

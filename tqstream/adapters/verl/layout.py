@@ -115,7 +115,14 @@ class Layout:
 
     def encode(self, meta_info: Any = None, *, first: bool = False) -> bytes:
         """The row's bytes; the put's first row (``first``) carries ``meta_info``."""
-        out = dataclasses.asdict(self)
+        rollout = self.rollout
+        out: dict[str, Any] = {
+            "batch": self.batch,
+            "nested": self.nested,
+            "non_tensor": self.non_tensor,
+            "rollout": None if rollout is None else rollout.__dict__,
+            "empty": self.empty,
+        }
         if first:
             out["meta_info"] = pack(meta_info, "meta_info")
         return pack(out, LAYOUT_FIELD)
@@ -185,16 +192,20 @@ def merge_layouts(layouts: Sequence[tuple[Layout, tuple[Any] | None]]) -> Merged
 
     metas = [meta[0] for _, meta in layouts if meta is not None]
     rows = [i for i, (lay, _) in enumerate(layouts) if lay.empty is None]
-    used = [layouts[i][0] for i in rows] or [lay for lay, _ in layouts]
+    # one per distinct layout (decode_layouts gives the rows of a put the same object)
+    used = list(
+        {
+            id(lay): lay for lay in ([layouts[i][0] for i in rows] or [lay for lay, _ in layouts])
+        }.values()
+    )
     if not used:
         return Merged([], [], set(), {}, None, {}, metas)
     first = used[0]
-    for row, lay in enumerate(used):
+    for lay in used:
         if lay.batch != first.batch or (lay.rollout is None) != (first.rollout is None):
             raise SchemaError(
                 f"the rows read come from DataProtos of different kinds ({_kind(first)} vs "
-                f"{_kind(lay)}, row {rows[row] if rows else row}); read rows of one kind of "
-                f"DataProto together"
+                f"{_kind(lay)}); read rows of one kind of DataProto together"
             )
     empty: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     if not rows:

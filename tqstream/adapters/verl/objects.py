@@ -54,6 +54,12 @@ _TUPLE, _SCALAR, _ARRAY, _OBJECTS, _TENSOR, _INT, _SET, _FROZENSET, _COMPLEX, _B
 _SAFE = (int, float, bool, str, bytes, type(None))
 
 
+def _has_bin(data: bytes) -> bool:
+    """Whether msgpack bytes may hold a bin value (its markers 0xc4-0xc6 appear; other bytes can
+    hold them too, so this only rules bins out)."""
+    return b"\xc4" in data or b"\xc5" in data or b"\xc6" in data
+
+
 class _Unsupported(TypeError):
     """A value msgpack cannot hold exactly (raised inside ``_default``; ``value`` is it)."""
 
@@ -159,6 +165,7 @@ def _what(exc: Exception) -> str:
     return f"a value msgpack cannot hold ({exc})"
 
 
+_ENCODE_ERRORS = (_Unsupported, ValueError, OverflowError, RecursionError)
 _FIX = (
     "convert it to None, bool, int, float, complex, str, bytes, bytearray, list, tuple, set, dict, "
     "a numpy scalar or array, or a torch tensor (e.g. a dataclass with dataclasses.asdict, an "
@@ -169,33 +176,45 @@ _FIX = (
 def pack(value: Any, where: str) -> bytes:
     """The bytes of one value; ``where`` names it in the error (``"meta_info"``)."""
     try:
-        if _has_buffers(value):
-            value = _with_bytearrays(value)
-        return _packb(value)
-    except (_Unsupported, ValueError, OverflowError, RecursionError) as exc:
+        packed = _packb(value)
+        if _has_bin(packed) and _has_buffers(value):  # see encode_rows
+            packed = _packb(_with_bytearrays(value))
+        return packed
+    except _ENCODE_ERRORS as exc:
         raise SchemaError(
             f"{where} holds {_what(exc)}, which tqstream cannot store exactly; {_FIX}",
             field=where,
         ) from exc
 
 
+def _refused(name: str, row: int, exc: Exception) -> SchemaError:
+    return SchemaError(
+        f"non_tensor_batch[{name!r}] row {row} holds {_what(exc)}, which tqstream cannot store "
+        f"exactly; {_FIX}",
+        field=name,
+        row=row,
+    )
+
+
 def encode_rows(name: str, values: Sequence[Any]) -> torch.Tensor:
     """One encoded value per row, as a jagged ``uint8`` tensor ``[n, j]`` for the put."""
     packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
     parts: list[bytes] = []
-    for row, value in enumerate(values):
-        try:
-            if type(value) not in _SAFE and _has_buffers(value):
-                value = _with_bytearrays(value)
+    try:
+        for value in values:
             parts.append(packer.pack(value))
-        except (_Unsupported, ValueError, OverflowError, RecursionError) as exc:
-            raise SchemaError(
-                f"non_tensor_batch[{name!r}] row {row} holds {_what(exc)}, which tqstream cannot "
-                f"store exactly; {_FIX}",
-                field=name,
-                row=row,
-            ) from exc
-    values_t = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+    except _ENCODE_ERRORS as exc:
+        raise _refused(name, len(parts), exc) from exc
+    joined = b"".join(parts)
+    if _has_bin(joined):  # a bytearray or memoryview packs as bin without asking: find them
+        for row, value in enumerate(values):
+            if _has_bin(parts[row]) and type(value) is not bytes and _has_buffers(value):
+                try:
+                    parts[row] = packer.pack(_with_bytearrays(value))
+                except _ENCODE_ERRORS as exc:
+                    raise _refused(name, row, exc) from exc
+        joined = b"".join(parts)
+    values_t = torch.frombuffer(bytearray(joined), dtype=torch.uint8)
     offsets = torch.tensor([0, *itertools.accumulate(map(len, parts))], dtype=torch.int64)
     return jagged(values_t, offsets)
 
