@@ -68,9 +68,10 @@ class VerlBatch:
 class VerlExperience:
     """A partition of verl rollouts: ``put_experience(DataProto, v)`` / ``get_experience(n, v)``.
 
-    ``fields``: the ``DataProto`` keys the trainer reads (batch and non-tensor; the derived
-    ``input_ids``/``attention_mask``/``position_ids`` are always rebuilt); None reads every field
-    the partition has when the get is made. ``staleness``: the read window (default: dispatch
+    ``fields``: the ``DataProto`` keys the trainer reads (batch and non-tensor; naming
+    ``prompts``, ``responses`` or a rebuilt ``input_ids``/``attention_mask``/``position_ids``
+    reads both and rebuilds those, see :func:`stored_fields`); None reads every field the
+    partition has when the get is made. ``staleness``: the read window (default: dispatch
     measure, no bound). ``admission``: a handle whose slot ids ``put_experience(slots=)`` releases.
     ``response_fields`` / ``pad_token_id``: see :func:`dataproto_to_rows`; ``prompt_length`` /
     ``response_length``: the widths reads re-pad to (None: the widest put's).
