@@ -36,10 +36,12 @@ GROUPS = (
     "rollout",
     "verl-kv",
     "areal-staleness",
+    "verl-dataproto",
     "sweep",
 )
-# the verl-kv scenario's systems (benchmarks/test_verl_kv.py) are its own: tqstream's first
-ORDER = ("tqstream-compat-embedded", "tqstream-compat-ray", *SYSTEMS)
+# the verl-kv scenario's systems (benchmarks/test_verl_kv.py) are its own: tqstream's first;
+# verl-dataproto's in-process pickle round trip comes last
+ORDER = ("tqstream-compat-embedded", "tqstream-compat-ray", *SYSTEMS, "pickle")
 RATIO_NOTE = "ratio = tqstream median time / that system's median time (< 1: tqstream is faster)"
 ALIAS_NOTE = (
     "(!) the tensors the consumer got are the producer's own input memory: nothing was copied, "

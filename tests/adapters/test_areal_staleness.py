@@ -259,9 +259,13 @@ def test_members_pool_limits_and_counts(
         for m in (rank0, ref):
             m.on_rollout_enqueued()
             m.on_rollout_submitted()
+        # another member sees rank 0's callbacks once its counts have reached the controller
+        # (reported in the background; a question of rank 0's own sends them along at once)
+        rank0.get_stats()
         assert rank1.get_capacity() == ref.get_capacity() == 3
         for m in (rank0, ref):
             m.on_rollout_accepted()
+        rank0.get_stats()
         assert rank1.get_stats() == ref.get_stats() == RolloutStat(accepted=1)
         rank1.close()  # its share stops counting: rank 0 alone, as AReaL's manager alone
         rank1.close()

@@ -101,11 +101,13 @@ def test_the_reference_pipeline_is_at_the_edge() -> None:
 def test_only_the_ray_deployment_imports_ray() -> None:
     """Ray is an optional extra: only ``tqstream.ray`` imports it, and nothing else in the tree
     imports ``tqstream.ray`` but the modules that start or find a job's cluster as Ray actors for
-    TransferQueue's API and NeMo-RL (all import Ray only when they run with it)."""
+    TransferQueue's API, NeMo-RL and verl's fully-async queue (all import Ray only when they run
+    with it)."""
     allowed = (
         "tqstream.ray",
         "tqstream.compat.transfer_queue.deploy",
         "tqstream.adapters.nemo_rl.deploy",
+        "tqstream.adapters.verl.queue",
     )
     for name, imports in MODULES.items():
         if name.startswith(allowed):

@@ -1,16 +1,26 @@
 """verl ``DataProto`` → tqstream rows (:mod:`.rebuild` goes back).
 
-``dataproto_to_rows`` turns a rollout ``DataProto`` into one put's worth of rows: ``prompts``
-without their left padding, ``responses`` and the response-aligned fields (``response_mask``,
-``rollout_log_probs``, any ``response_fields=``) without their right padding (ragged fields, so no
-byte of padding is stored and rows of batches padded to different widths mix), every other batch
-tensor as it is (dense), each ``non_tensor_batch`` array as a field of its own (object arrays as
-JSON/str fields, numeric arrays as dense tensors), ``uid`` as the rows' group, and the per-row
-``dataproto`` layout (:mod:`.layout`). ``input_ids``, ``attention_mask`` and ``position_ids`` are
-not stored: they are checked against the padding here and rebuilt by ``rows_to_dataproto``, which
-re-pads to the widths the trainer asks for. Converting a put's rows back gives an equal
-``DataProto`` (``batch``, ``non_tensor_batch`` with its dtypes, ``meta_info``), which is why
-everything that would not come back identically is refused here.
+``dataproto_to_rows`` turns any ``DataProto`` into one put's worth of rows, one per sample, that
+:func:`~tqstream.adapters.verl.rebuild.rows_to_dataproto` turns back into an equal one (verl's own
+equality: values, dtypes, shapes, Python types):
+
+- a *rollout* (``prompts`` ``[B, P]``, ``responses`` ``[B, R]`` and an ``attention_mask``
+  ``[B, P + R]``, as verl's agent loop pads them) is stored unpadded: ``prompts`` without their left
+  padding, ``responses`` and the response-aligned fields (``response_mask``, ``rollout_log_probs``,
+  any ``response_fields=``) without their right padding (ragged fields, so no byte of padding is
+  stored and rows of batches padded to different widths mix), after checking that the masks agree
+  with the padding. ``attention_mask``, and ``input_ids`` / ``position_ids`` when they are what
+  verl computes from it, are not stored but rebuilt;
+- every other batch tensor is a field as it is (dense, or ragged for a jagged nested tensor);
+- each ``non_tensor_batch`` array is a field: numeric arrays as dense tensors, everything else
+  (object, string, datetime arrays, of any number of dims) one exactly encoded value per row
+  (:mod:`.objects`: msgpack with extension types, never pickle);
+- ``uid`` is also the rows' group, and the per-row ``dataproto`` field holds the layout and, on the
+  first row, ``meta_info`` (:mod:`.layout`).
+
+A ``DataProto`` without rows is one row holding only the layout. What cannot be stored exactly (a
+value of an arbitrary Python class, a nested ``TensorDict``, masks that disagree with a rollout's
+padding) raises here, before anything is sent.
 """
 
 from __future__ import annotations
@@ -28,29 +38,37 @@ from tqstream.adapters.verl.layout import (
     LAYOUT_FIELD,
     RESPONSE_FIELDS,
     Layout,
-    json_problem,
+    Rollout,
 )
+from tqstream.adapters.verl.objects import encode_rows
 from tqstream.errors import InvalidRequestError, SchemaError
-from tqstream.protocol.codec import dtype_name
+from tqstream.protocol.codec import dtype_name, jagged
 
-__all__ = ["RowBatch", "dataproto_to_rows", "stored_fields"]
+__all__ = ["RowBatch", "dataproto_to_rows", "stored_dense", "stored_fields"]
 
-_REQUIRED = ("prompts", "responses", "attention_mask")
+_ROLLOUT = ("prompts", "responses", "attention_mask")
+_TORCH_NUMPY = {
+    np.dtype(n)
+    for n in (
+        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class RowBatch:
     """One put's worth of rows: ``client.put(rows.data, partition, groups=rows.groups, ...)``.
 
-    ``groups`` are the ``uid`` of each row (None when the ``DataProto`` has no ``uid``): a GRPO
-    group is one prompt's samples, and ``whole_groups`` reads keep them together.
+    ``groups`` are the ``uid`` of each row (None when the ``DataProto`` has no 1-D ``uid``): a
+    GRPO group is one prompt's samples, and ``whole_groups`` reads keep them together.
     """
 
     data: dict[str, Any]
     groups: list[str] | None
 
     def __len__(self) -> int:
-        return len(self.data[LAYOUT_FIELD])
+        return int(self.data[LAYOUT_FIELD].size(0))
 
     @property
     def fields(self) -> list[str]:
@@ -58,82 +76,152 @@ class RowBatch:
 
 
 def stored_fields(keys: Iterable[str]) -> list[str]:
-    """The row fields to read for a ``DataProto`` with these keys (batch or non-tensor): the
-    derived ones are rebuilt from ``prompts`` and ``responses``, and the layout is always read."""
-    out = dict.fromkeys(["prompts", "responses"])
+    """The row fields to read for a ``DataProto`` with these keys (batch or non-tensor): a
+    rollout's rebuilt tensors come from ``prompts`` and ``responses``, which any of them (or of
+    those two) brings, and the layout is always read."""
+    keys = list(keys)
+    out: dict[str, None] = {}
+    if any(k in _ROLLOUT[:2] or k in DERIVED_FIELDS for k in keys):
+        out.update(dict.fromkeys(_ROLLOUT[:2]))
     out.update(dict.fromkeys(k for k in keys if k not in DERIVED_FIELDS and k != LAYOUT_FIELD))
     out[LAYOUT_FIELD] = None
     return list(out)
+
+
+def stored_dense(dtype: np.dtype[Any]) -> bool:
+    """Whether a ``non_tensor_batch`` array of this dtype is stored as a dense tensor (numeric
+    dtypes torch has) rather than one encoded value per row."""
+    return dtype.newbyteorder("=") in _TORCH_NUMPY
 
 
 # --- DataProto -> rows ---------------------------------------------------------------------------
 def dataproto_to_rows(
     data: Any, *, response_fields: Sequence[str] = (), pad_token_id: int | None = None
 ) -> RowBatch:
-    """The rows of a rollout ``DataProto`` (see the module docstring), after checking that its
-    masks agree with its padding.
+    """The rows of a ``DataProto`` (see the module docstring).
 
-    ``response_fields``: more ``[B, response_length, ...]`` batch fields to store unpadded (e.g.
-    ``old_log_probs``, ``advantages``); their padding must be 0, as verl pads them.
-    ``pad_token_id``: the tokenizer's pad id; when None it is read off the padding positions
-    (which must then all hold one id). Raises ``SchemaError`` for a structure verl's rollout does
-    not produce and ``InvalidRequestError`` for masks that disagree with the padding.
+    For a rollout: ``response_fields`` names more ``[B, response_length, ...]`` batch fields to
+    store unpadded (e.g. ``old_log_probs``, ``advantages``; their padding must be 0, as verl pads
+    them); ``pad_token_id`` is the tokenizer's pad id; when None it is read off the padding
+    positions (which must then all hold one id). Both are unused for other batches. Raises
+    ``SchemaError`` for what cannot be stored exactly and ``InvalidRequestError`` for a rollout's
+    masks that disagree with its padding; nothing is sent before.
     """
-    batch = _batch_of(data)
-    prompts, responses, mask = (batch.get(k) for k in _REQUIRED)
-    p_width, r_width = _widths(prompts, responses, mask)
+    batch, non_tensor = _parts(data)
+    tensors = _tensors(batch)
+    names = set(tensors) | set(non_tensor or {})
+    if LAYOUT_FIELD in names:
+        raise SchemaError(
+            f"the DataProto has a field named {LAYOUT_FIELD!r}, the name of the row layout field "
+            f"dataproto_to_rows adds; rename it"
+        )
+    clash = sorted(set(tensors) & set(non_tensor or {}))
+    if clash:
+        raise SchemaError(
+            f"non_tensor_batch and batch both have {clash}; a row holds one field of each name: "
+            f"rename one"
+        )
+    n = len(data)
+    dims = None if batch is None else [int(d) for d in batch.batch_size[1:]]
+    if n == 0:
+        return _no_rows(dims, tensors, non_tensor, data.meta_info)
+    rows: dict[str, Any] = {}
+    rollout = None
+    if _is_rollout(batch, tensors):
+        rollout = _unpad(tensors, rows, response_fields, pad_token_id)
+    nested = []
+    for key, t in tensors.items():
+        if key in rows or (rollout is not None and key in rollout.derived):
+            continue
+        if t.is_nested:
+            nested.append(key)
+        rows[key] = t
+    layout_non_tensor = None
+    if non_tensor is not None:
+        layout_non_tensor = {}
+        for key, arr in non_tensor.items():
+            rows[key], layout_non_tensor[key] = _non_tensor_field(key, arr)
+    layout = Layout(dims, nested, layout_non_tensor, rollout)
+    rows[LAYOUT_FIELD] = _layout_rows(layout, data.meta_info, n)
+    uid = (non_tensor or {}).get("uid")
+    groups = None if uid is None or uid.ndim != 1 else [str(u) for u in uid.tolist()]
+    return RowBatch(rows, groups)
+
+
+def _parts(data: Any) -> tuple[Any, dict[str, Any] | None]:
+    if not all(hasattr(data, a) for a in ("batch", "non_tensor_batch", "meta_info")):
+        raise SchemaError(f"dataproto_to_rows needs a verl DataProto, got {type(data).__name__}")
+    non_tensor = data.non_tensor_batch
+    if non_tensor is not None and not isinstance(non_tensor, dict):
+        raise SchemaError(
+            f"DataProto.non_tensor_batch is a {type(non_tensor).__name__}; verl holds a dict of "
+            f"numpy arrays there"
+        )
+    return data.batch, non_tensor
+
+
+def _tensors(batch: Any) -> dict[str, torch.Tensor]:
+    """The batch's tensors by name; what is not a tensor (or a jagged one) is refused."""
+    from tensordict import TensorDictBase
+
+    if batch is None:
+        return {}
+    if not isinstance(batch, TensorDictBase):
+        raise SchemaError(
+            f"DataProto.batch is a {type(batch).__name__}; verl holds a TensorDict there"
+        )
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, TensorDictBase):
+            raise SchemaError(
+                f"batch[{key!r}] is a nested TensorDict; dataproto_to_rows stores tensors: "
+                f"flatten it first (batch.flatten_keys('.'))"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise SchemaError(
+                f"batch[{key!r}] is a {type(value).__name__}, not a tensor; keep per-row Python "
+                f"values in non_tensor_batch (a numpy object array)"
+            )
+        if value.is_nested and value.layout != torch.jagged:
+            raise SchemaError(
+                f"batch[{key!r}] is a nested tensor of layout {value.layout}; store it as "
+                f"torch.nested.nested_tensor(rows, layout=torch.jagged)"
+            )
+        out[key] = value
+    return out
+
+
+def _is_rollout(batch: Any, tensors: dict[str, torch.Tensor]) -> bool:
+    """A batch shaped as verl's agent loop pads one: 1-D batch, ``prompts`` ``[B, P]``,
+    ``responses`` ``[B, R]``, ``attention_mask`` ``[B, P + R]``."""
+    if batch is None or len(batch.batch_size) != 1 or any(k not in tensors for k in _ROLLOUT):
+        return False
+    prompts, responses, mask = (tensors[k] for k in _ROLLOUT)
+    if any(t.is_nested or t.ndim != 2 for t in (prompts, responses, mask)):
+        return False
+    return mask.shape[1] == prompts.shape[1] + responses.shape[1]
+
+
+def _unpad(
+    tensors: dict[str, torch.Tensor],
+    rows: dict[str, Any],
+    response_fields: Sequence[str],
+    pad_token_id: int | None,
+) -> Rollout:
+    """Fill ``rows`` with a rollout's unpadded fields, after checking the masks."""
+    prompts, responses, mask = (tensors[k] for k in _ROLLOUT)
+    p_width, r_width = prompts.shape[1], responses.shape[1]
     p_len, _ = padding.mask_lengths(mask, p_width)
     p_keep, r_keep = mask[:, :p_width] != 0, mask[:, p_width:] != 0
     pad = _pad_token(prompts, responses, p_keep, r_keep, pad_token_id)
     _check_prompt_start(prompts, p_keep, p_len, pad)
-    derived = _check_derived(batch, prompts, responses, mask)
-    names = list(batch.keys())
-    response = [k for k in (*RESPONSE_FIELDS, *response_fields) if k in names]
-    rows: dict[str, Any] = {
-        "prompts": padding.strip(prompts, p_keep),
-        "responses": padding.strip(responses, r_keep),
-    }
-    for key in dict.fromkeys(response):
-        rows[key] = _strip_response_field(key, batch.get(key), r_keep, r_width)
-    for key in names:
-        if key not in rows and key not in DERIVED_FIELDS:
-            rows[key] = batch.get(key)
-    non_tensor = _non_tensor_fields(data.non_tensor_batch, rows)
-    rows.update(non_tensor)
-    layout = Layout(
-        prompt_length=p_width,
-        response_length=r_width,
-        pad_token_id=pad,
-        derived=derived,
-        response=list(dict.fromkeys(response)),
-        non_tensor={k: v.dtype.str for k, v in non_tensor.items()},
-    )
-    meta = dict(data.meta_info or {})
-    _check_json("meta_info", meta)
-    n = len(prompts)
-    rest = layout.to_json()
-    rows[LAYOUT_FIELD] = [layout.to_json(meta)] + [rest] * (n - 1) if n else []
-    uid = non_tensor.get("uid")
-    groups = None if uid is None else [str(u) for u in uid.tolist()]
-    return RowBatch(rows, groups)
-
-
-def _batch_of(data: Any) -> Any:
-    batch = getattr(data, "batch", None)
-    if batch is None or not hasattr(data, "non_tensor_batch"):
-        raise SchemaError(
-            f"dataproto_to_rows needs a verl DataProto with a batch (got {type(data).__name__}"
-            f"{' without a batch' if hasattr(data, 'non_tensor_batch') else ''})"
-        )
-    names = list(batch.keys())
-    missing = [k for k in _REQUIRED if k not in names]
-    if missing:
-        raise SchemaError(
-            f"the DataProto has no {missing} in its batch (it has {sorted(names)}); "
-            f"dataproto_to_rows stores rollouts as verl's agent loop returns them: left-padded "
-            f"prompts, right-padded responses and their attention_mask"
-        )
-    return batch
+    derived = _derived(tensors, prompts, responses, mask)
+    response = [k for k in dict.fromkeys((*RESPONSE_FIELDS, *response_fields)) if k in tensors]
+    rows["prompts"] = padding.strip(prompts, p_keep)
+    rows["responses"] = padding.strip(responses, r_keep)
+    for key in response:
+        rows[key] = _strip_response_field(key, tensors[key], r_keep, r_width)
+    return Rollout(p_width, r_width, pad, derived, response)
 
 
 def _widths(prompts: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
@@ -156,21 +244,36 @@ def _pad_token(
     r_keep: torch.Tensor,
     pad_token_id: int | None,
 ) -> int | None:
-    """The pad id every padding position holds (checked); inferred when not given."""
+    """The pad id every padding position holds (checked); inferred when not given: the id at
+    the first padding position, which every other one must then hold too."""
     if pad_token_id is None:
-        seen = torch.cat([prompts[~p_keep], responses[~r_keep]]).unique()
-        if seen.numel() > 1:
+        pad_token_id = _first_outside(prompts, p_keep)
+        if pad_token_id is None:
+            pad_token_id = _first_outside(responses, r_keep)
+        if pad_token_id is None:
+            return None
+        agree = all(
+            bool(((t == pad_token_id) | keep).all())
+            for t, keep in ((prompts, p_keep), (responses, r_keep))
+        )
+        if not agree:
+            seen = torch.cat([prompts[~p_keep], responses[~r_keep]]).unique()
             raise InvalidRequestError(
                 f"the padding positions of prompts/responses (attention_mask 0) hold several "
                 f"token ids {seen.tolist()[:8]}, but verl pads with one pad_token_id: the masks "
                 f"disagree with the padding (or pass pad_token_id= to find the position)"
             )
-        pad_token_id = int(seen[0]) if seen.numel() else None
-        if pad_token_id is None:
-            return None
+        return pad_token_id
     padding.check_padding("prompts", prompts, p_keep, pad_token_id, "left of the prompt")
     padding.check_padding("responses", responses, r_keep, pad_token_id, "right of the response")
     return pad_token_id
+
+
+def _first_outside(t: torch.Tensor, keep: torch.Tensor) -> int | None:
+    """The value at the first position ``keep`` leaves out (row-major), None if there is none."""
+    outside = ~keep.reshape(-1)
+    first = int(outside.to(torch.uint8).argmax()) if outside.numel() else 0
+    return int(t.reshape(-1)[first]) if outside.numel() and bool(outside[first]) else None
 
 
 def _check_prompt_start(
@@ -189,46 +292,35 @@ def _check_prompt_start(
         )
 
 
-def _check_derived(
-    batch: Any, prompts: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor
+def _derived(
+    tensors: dict[str, torch.Tensor],
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    mask: torch.Tensor,
 ) -> dict[str, str]:
-    """Check the tensors rebuilt on the way back against what they will be rebuilt as."""
+    """The tensors to rebuild rather than store (name -> dtype): ``attention_mask``, and
+    ``input_ids`` / ``position_ids`` when they are what verl computes (``prompts ⧺ responses``,
+    ``verl.utils.model.compute_position_id_with_mask``); other ones (e.g. multimodal M-RoPE
+    position ids ``[B, 3, L]``) are stored as they are."""
     from verl.utils.model import compute_position_id_with_mask
 
     derived = {"attention_mask": dtype_name(mask.dtype)}
-    names = list(batch.keys())
-    if "input_ids" in names:
-        input_ids = batch.get("input_ids")
+    input_ids = tensors.get("input_ids")
+    if input_ids is not None and not input_ids.is_nested:
         expected = torch.cat([prompts, responses], dim=1)
-        if input_ids.shape != expected.shape or not torch.equal(input_ids, expected.to(input_ids)):
-            raise InvalidRequestError(
-                f"input_ids ({list(input_ids.shape)}) is not prompts ⧺ responses "
-                f"({list(expected.shape)}); verl builds input_ids as their concatenation"
-            )
-        derived["input_ids"] = dtype_name(input_ids.dtype)
-    if "position_ids" in names:
-        position_ids = batch.get("position_ids")
-        if position_ids.shape != mask.shape:
-            raise SchemaError(
-                f"position_ids has shape {list(position_ids.shape)}, not the attention_mask's "
-                f"{list(mask.shape)}: multimodal (M-RoPE) position ids are not rebuilt from the "
-                f"mask, so dataproto_to_rows cannot store them; drop them before the put"
-            )
+        if input_ids.shape == expected.shape and torch.equal(input_ids, expected.to(input_ids)):
+            derived["input_ids"] = dtype_name(input_ids.dtype)
+    position_ids = tensors.get("position_ids")
+    if position_ids is not None and not position_ids.is_nested and position_ids.shape == mask.shape:
         expected = compute_position_id_with_mask(mask.to(torch.int64))
-        if not torch.equal(position_ids.to(torch.int64), expected):
-            row = int((position_ids.to(torch.int64) != expected).any(dim=1).nonzero()[0, 0])
-            raise InvalidRequestError(
-                f"position_ids row {row} is not cumsum(attention_mask) - 1 clipped at 0 "
-                f"(verl.utils.model.compute_position_id_with_mask): the masks disagree with the "
-                f"positions"
-            )
-        derived["position_ids"] = dtype_name(position_ids.dtype)
+        if torch.equal(position_ids.to(torch.int64), expected):
+            derived["position_ids"] = dtype_name(position_ids.dtype)
     return derived
 
 
 def _strip_response_field(
     key: str, t: torch.Tensor, r_keep: torch.Tensor, r_width: int
-) -> list[torch.Tensor]:
+) -> torch.Tensor:
     if t.ndim < 2 or t.shape[1] != r_width:
         raise InvalidRequestError(
             f"{key} has shape {list(t.shape)} but responses is {r_width} tokens wide: a "
@@ -238,51 +330,55 @@ def _strip_response_field(
     return padding.strip(t, r_keep)
 
 
-def _non_tensor_fields(non_tensor: dict[str, Any], taken: dict[str, Any]) -> dict[str, Any]:
-    """Each ``non_tensor_batch`` array as a field (the array itself: the client stores object
-    arrays as str/bytes/JSON fields and numeric arrays as dense tensors)."""
-    out: dict[str, Any] = {}
-    for key, arr in (non_tensor or {}).items():
-        if key in taken or key in DERIVED_FIELDS or key == LAYOUT_FIELD:
-            raise SchemaError(
-                f"non_tensor_batch[{key!r}] has the name of a batch field or of the row layout "
-                f"field {LAYOUT_FIELD!r}; rename it"
-            )
-        if not isinstance(arr, np.ndarray):
-            raise SchemaError(
-                f"non_tensor_batch[{key!r}] is a {type(arr).__name__}; DataProto holds numpy arrays"
-            )
-        if arr.dtype.kind in "OUS":
-            if arr.ndim != 1:
-                raise SchemaError(
-                    f"non_tensor_batch[{key!r}] is a {arr.ndim}-D {arr.dtype} array; object and "
-                    f"string arrays are stored one value per row: make it 1-D (an object array "
-                    f"of per-row lists)"
-                )
-            if arr.dtype.kind == "O":
-                _check_objects(key, arr)
-        out[key] = arr
-    return out
-
-
-def _check_objects(key: str, arr: np.ndarray) -> None:
-    values = arr.tolist()
-    if all(type(v) is str for v in values) or all(type(v) is bytes for v in values):
-        return
-    for row, value in enumerate(values):
-        problem = "bytes among other values" if type(value) is bytes else json_problem(value)
-        if problem is not None:
-            raise SchemaError(
-                f"non_tensor_batch[{key!r}] row {row} holds {problem}, which would not come back "
-                f"as it was put; object arrays hold str, bytes or JSON values (None, bool, int, "
-                f"finite float, str, list, dict with str keys): convert it first"
-            )
-
-
-def _check_json(name: str, value: dict[str, Any]) -> None:
-    problem = json_problem(value)
-    if problem is not None:
+def _non_tensor_field(key: str, arr: Any) -> tuple[Any, list[Any]]:
+    """A ``non_tensor_batch`` array as a field, and its layout entry ``[dtype, trailing]``."""
+    if not isinstance(arr, np.ndarray):
         raise SchemaError(
-            f"{name} holds {problem}, which would not come back as it was put; keep meta_info to "
-            f"JSON values (None, bool, int, finite float, str, list, dict with str keys)"
+            f"non_tensor_batch[{key!r}] is a {type(arr).__name__}; DataProto holds numpy arrays"
         )
+    if arr.ndim == 0:
+        raise SchemaError(
+            f"non_tensor_batch[{key!r}] is a 0-dim array; it needs one entry per row (shape "
+            f"[n, ...])"
+        )
+    entry = [arr.dtype.str, list(arr.shape[1:])]
+    if stored_dense(arr.dtype):
+        native = arr.astype(arr.dtype.newbyteorder("="), copy=False)
+        return torch.from_numpy(np.ascontiguousarray(native)), entry
+    if arr.dtype.kind in "US" or (arr.dtype.kind == "O" and arr.ndim == 1):
+        values: Sequence[Any] = arr.tolist()  # str / bytes / the objects themselves
+    else:  # n-D object arrays, datetimes, ...: each row a numpy array or scalar
+        values = list(arr)
+    return encode_rows(key, values), entry
+
+
+def _layout_rows(layout: Layout, meta_info: Any, n: int) -> torch.Tensor:
+    """The layout field of ``n`` rows (the first carries ``meta_info``), jagged ``uint8``."""
+    first, rest = layout.encode(meta_info, first=True), layout.encode()
+    values = torch.frombuffer(bytearray(first + rest * (n - 1)), dtype=torch.uint8)
+    ends = torch.arange(n, dtype=torch.int64) * len(rest) + len(first)
+    return jagged(values, torch.cat([torch.zeros(1, dtype=torch.int64), ends]))
+
+
+def _no_rows(
+    dims: list[int] | None,
+    tensors: dict[str, torch.Tensor],
+    non_tensor: dict[str, Any] | None,
+    meta_info: Any,
+) -> RowBatch:
+    """A ``DataProto`` without rows: one row of layout, with its tensors' dtypes and shapes."""
+    skip = 1 + len(dims or [])
+    empty = {}
+    for key, t in tensors.items():
+        shape = t.values().shape[1:] if t.is_nested else t.shape[skip:]
+        empty[key] = [dtype_name(t.dtype), list(shape)]
+    nested = [k for k, t in tensors.items() if t.is_nested]
+    layout_non_tensor = None
+    if non_tensor is not None:
+        layout_non_tensor = {}
+        for key, arr in non_tensor.items():
+            if not isinstance(arr, np.ndarray) or arr.ndim == 0:
+                raise SchemaError(f"non_tensor_batch[{key!r}] is not an array of rows")
+            layout_non_tensor[key] = [arr.dtype.str, list(arr.shape[1:])]
+    layout = Layout(dims, nested, layout_non_tensor, None, empty)
+    return RowBatch({LAYOUT_FIELD: _layout_rows(layout, meta_info, 1)}, None)

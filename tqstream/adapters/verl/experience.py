@@ -17,6 +17,7 @@ from typing import Any
 
 from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows, stored_fields
 from tqstream.adapters.verl.groups import check_version
+from tqstream.adapters.verl.layout import LAYOUT_FIELD
 from tqstream.adapters.verl.rebuild import rows_to_dataproto
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
@@ -67,9 +68,10 @@ class VerlBatch:
 class VerlExperience:
     """A partition of verl rollouts: ``put_experience(DataProto, v)`` / ``get_experience(n, v)``.
 
-    ``fields``: the ``DataProto`` keys the trainer reads (batch and non-tensor; the derived
-    ``input_ids``/``attention_mask``/``position_ids`` are always rebuilt); None reads every field
-    the partition has when the get is made. ``staleness``: the read window (default: dispatch
+    ``fields``: the ``DataProto`` keys the trainer reads (batch and non-tensor; naming
+    ``prompts``, ``responses`` or a rebuilt ``input_ids``/``attention_mask``/``position_ids``
+    reads both and rebuilds those, see :func:`stored_fields`); None reads every field the
+    partition has when the get is made. ``staleness``: the read window (default: dispatch
     measure, no bound). ``admission``: a handle whose slot ids ``put_experience(slots=)`` releases.
     ``response_fields`` / ``pad_token_id``: see :func:`dataproto_to_rows`; ``prompt_length`` /
     ``response_length``: the widths reads re-pad to (None: the widest put's).
@@ -154,7 +156,7 @@ class VerlExperience:
                 f"DataProto keys) to VerlExperience or get_experience so the trainer can wait for "
                 f"producers"
             )
-        return stored_fields(part.schemas)
+        return [*(k for k in part.schemas if k != LAYOUT_FIELD), LAYOUT_FIELD]
 
     def _need_stats(self, fields: Sequence[str] | None) -> bool:
         return fields is None and self.fields is None

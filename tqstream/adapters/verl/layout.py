@@ -1,25 +1,31 @@
 """What a row needs to become part of a ``DataProto`` again: the per-row ``dataproto`` field.
 
-A ``DataProto`` is more than its tensors: the padded widths, the pad token, the dtypes of the
-tensors that are rebuilt rather than stored (``input_ids``, ``attention_mask``, ``position_ids``),
-which ``non_tensor_batch`` arrays a field came from and their numpy dtypes (an ``int32`` array or a
-``<U5`` string array must come back as one), and ``meta_info``. Each row carries that as a small
-JSON object, so that any selection of rows (a trainer's batch mixes puts) can be turned back into a
-``DataProto``. ``meta_info`` describes the whole put, not a row, so only the first row of a put
-carries it; a batch holding the first rows of several puts merges theirs as ``DataProto.concat``
-does. Values that JSON would not give back identically (tuples, NaN, numpy scalars, non-str keys)
-are refused here, where the mistake is made, rather than coming back different.
+A ``DataProto`` is more than its tensors: whether ``batch`` and ``non_tensor_batch`` exist at all,
+the batch dims, which batch tensors are jagged, which ``non_tensor_batch`` arrays a field came from
+with their numpy dtypes and trailing shapes (an ``int32`` array, a ``<U5`` string array or a 2-D
+object array must come back as one), ``meta_info``, and, for a rollout stored unpadded, the padded
+widths, the pad token and the tensors rebuilt rather than stored (``input_ids``,
+``attention_mask``, ``position_ids``). Each row carries that as a small map in the object codec of
+:mod:`.objects` (a ragged ``uint8`` field), so that any selection of rows (a trainer's batch mixes
+puts) can be turned back into a ``DataProto``. ``meta_info`` describes the whole put, not a row, so
+only the first row of a put carries it; a batch holding the first rows of several puts merges
+theirs as ``DataProto.concat`` does.
+
+A ``DataProto`` without rows is one row holding only this field, marked ``empty`` with the dtypes
+and shapes of its tensors: it brings its ``meta_info`` and no rows to the ``DataProto`` it is read
+into.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
+from tqstream.adapters.verl.objects import pack, unpack
 from tqstream.errors import SchemaError
 
 __all__ = [
@@ -28,164 +34,215 @@ __all__ = [
     "RESPONSE_FIELDS",
     "Layout",
     "Merged",
-    "json_problem",
+    "Rollout",
+    "decode_layouts",
     "merge_layouts",
     "merge_meta_info",
 ]
 
 LAYOUT_FIELD = "dataproto"
-"""The per-row object field holding the row's :class:`Layout` (a JSON object)."""
+"""The per-row field holding the row's :class:`Layout` (ragged ``uint8``, see :mod:`.objects`)."""
 RESPONSE_FIELDS = ("response_mask", "rollout_log_probs")
 """Response-aligned batch fields stored without their right padding (besides ``responses``)."""
 DERIVED_FIELDS = ("input_ids", "attention_mask", "position_ids")
-"""Batch fields rebuilt from the rows rather than stored."""
-
-_INT_RANGE = (-(2**63), 2**64)  # what msgspec encodes as a JSON integer
+"""Batch fields of a rollout rebuilt from the rows rather than stored (when they can be)."""
 
 
-def json_problem(value: Any) -> str | None:
-    """Why ``value`` would not come back identical through JSON (None: it would).
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """A rollout stored unpadded: the padded widths, the pad id, the rebuilt tensors (name ->
+    torch dtype name) and the response-aligned fields stored unpadded besides ``responses``."""
 
-    Types are checked exactly (``type(v) is str``), since verl compares ``non_tensor_batch``
-    elements by type too: a ``numpy.float64`` or a ``str`` subclass would come back as a plain
-    float or str.
-    """
-    kind = type(value)
-    if value is None or kind is bool or kind is str:
-        return None
-    if kind is int:
-        lo, hi = _INT_RANGE
-        return None if lo <= value < hi else f"the int {value} (beyond 64 bits)"
-    if kind is float:
-        if math.isfinite(value):
-            return None
-        return f"the float {value!r} (JSON has no NaN or infinity: it would come back as None)"
-    if kind is list:
-        return next((p for p in map(json_problem, value) if p is not None), None)
-    if kind is dict:
-        for key, item in value.items():
-            if type(key) is not str:
-                return f"the dict key {key!r} ({type(key).__name__}; JSON keys come back as str)"
-            problem = json_problem(item)
-            if problem is not None:
-                return problem
-        return None
-    if kind is tuple:
-        return "a tuple (it would come back as a list)"
-    return f"a {kind.__module__}.{kind.__qualname__} value {value!r:.60}"
+    prompt_length: int
+    response_length: int
+    pad_token_id: int | None
+    derived: dict[str, str]
+    response: list[str]
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How the rows of one put map onto its ``DataProto`` (see the module docstring).
 
-    ``derived``: rebuilt tensors present in the put, name -> torch dtype name. ``response``:
-    response-aligned fields stored unpadded besides ``responses``. ``non_tensor``: the
-    ``non_tensor_batch`` keys, name -> numpy dtype string (``"|O"``, ``"<i4"``, ``"<U5"``).
+    ``batch``: None when the ``DataProto`` has no ``batch``, else its batch dims after the first
+    (``[]`` for verl's usual one). ``nested``: batch tensors stored as they are, jagged.
+    ``non_tensor``: None when ``non_tensor_batch`` is None, else name -> ``[numpy dtype string,
+    trailing shape]``. ``rollout``: set when the batch is stored unpadded. ``empty``: only on the
+    row of a ``DataProto`` without rows: its batch tensors, name -> ``[dtype name, shape after the
+    batch dims]``.
     """
 
-    prompt_length: int
-    response_length: int
-    pad_token_id: int | None
-    derived: dict[str, str]
-    response: list[str]
-    non_tensor: dict[str, str]
+    batch: list[int] | None
+    nested: list[str]
+    non_tensor: dict[str, list[Any]] | None
+    rollout: Rollout | None = None
+    empty: dict[str, list[Any]] | None = None
 
-    def to_json(self, meta_info: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        if meta_info is not None:
-            out["meta_info"] = dict(meta_info)
-        return out
+    def encode(self, meta_info: Any = None, *, first: bool = False) -> bytes:
+        """The row's bytes; the put's first row (``first``) carries ``meta_info``."""
+        rollout = self.rollout
+        out: dict[str, Any] = {
+            "batch": self.batch,
+            "nested": self.nested,
+            "non_tensor": self.non_tensor,
+            "rollout": None if rollout is None else rollout.__dict__,
+            "empty": self.empty,
+        }
+        if first:
+            out["meta_info"] = pack(meta_info, "meta_info")
+        return pack(out, LAYOUT_FIELD)
 
     @staticmethod
-    def from_json(row: int, value: Any) -> tuple[Layout, dict[str, Any] | None]:
-        """The layout of a read row and the ``meta_info`` it carries (first rows of puts)."""
+    def decode(row: int, data: Any) -> tuple[Layout, tuple[Any] | None]:
+        """The layout of a read row and, for the first row of a put, ``(meta_info,)``."""
+        value = unpack(data, LAYOUT_FIELD)
         try:
+            rollout = value["rollout"]
             layout = Layout(
-                prompt_length=int(value["prompt_length"]),
-                response_length=int(value["response_length"]),
-                pad_token_id=value["pad_token_id"],
-                derived=dict(value["derived"]),
-                response=list(value["response"]),
-                non_tensor=dict(value["non_tensor"]),
+                batch=None if value["batch"] is None else [int(d) for d in value["batch"]],
+                nested=[str(k) for k in value["nested"]],
+                non_tensor=None if value["non_tensor"] is None else dict(value["non_tensor"]),
+                rollout=None if rollout is None else Rollout(**rollout),
+                empty=None if value["empty"] is None else dict(value["empty"]),
             )
-            meta = value.get("meta_info")
-            return layout, None if meta is None else dict(meta)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            meta = (unpack(value["meta_info"], "meta_info"),) if "meta_info" in value else None
+        except (KeyError, TypeError, ValueError) as exc:
             raise SchemaError(
                 f"row {row}: field {LAYOUT_FIELD!r} is not a verl row layout ({exc!r}); rows read "
                 f"with rows_to_dataproto must have been put from a DataProto (dataproto_to_rows)"
             ) from exc
+        return layout, meta
+
+
+def decode_layouts(rows: Sequence[Any]) -> list[tuple[Layout, tuple[Any] | None]]:
+    """:meth:`Layout.decode` of each row's bytes; rows of one put share their bytes (all but the
+    first), so each distinct value is decoded once."""
+    seen: dict[bytes, tuple[Layout, tuple[Any] | None]] = {}
+    out = []
+    for row, data in enumerate(rows):
+        key = bytes(data)
+        if key not in seen:
+            seen[key] = Layout.decode(row, key)
+        out.append(seen[key])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Merged:
-    """The layouts of a batch's rows, merged: what ``rows_to_dataproto`` rebuilds."""
+    """The layouts of a batch's rows, merged: what ``rows_to_dataproto`` rebuilds.
 
-    prompt_length: int
-    response_length: int
-    pad_token_id: int | None
-    derived: dict[str, str]
-    response: list[str]
-    non_tensor: dict[str, np.dtype[Any]]
-    meta_infos: list[dict[str, Any]]
+    ``rows``: the rows that hold data (not the row of a ``DataProto`` without rows).
+    ``non_tensor``: name -> (numpy dtype, trailing shape). ``empty``: the batch tensors of a
+    batch of ``DataProto``s without rows (``rows`` is then empty).
+    """
+
+    rows: list[int]
+    batch: list[int] | None
+    nested: set[str]
+    non_tensor: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] | None
+    rollout: Rollout | None
+    empty: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    meta_infos: list[Any]
 
 
-def merge_layouts(values: Iterable[Any]) -> Merged:
+def merge_layouts(layouts: Sequence[tuple[Layout, tuple[Any] | None]]) -> Merged:
     """One layout for a batch whose rows may come from several puts.
 
     Widths take the widest put (as re-padding needs); string dtypes the widest too (what
     ``np.concatenate`` of the puts' arrays would give); everything else must agree, or the puts
-    did not come from one kind of ``DataProto``.
+    did not come from one kind of ``DataProto``. Rows of ``DataProto``s without rows add only
+    their ``meta_info``, unless nothing else was read.
     """
-    layouts: list[Layout] = []
-    metas: list[dict[str, Any]] = []
-    for row, value in enumerate(values):
-        layout, meta = Layout.from_json(row, value)
-        layouts.append(layout)
-        if meta is not None:
-            metas.append(meta)
-    if not layouts:
-        return Merged(0, 0, None, {}, [], {}, metas)
-    first = layouts[0]
-    for row, lay in enumerate(layouts):
-        if lay.derived != first.derived:
+    from tqstream.protocol.codec import torch_dtype
+
+    metas = [meta[0] for _, meta in layouts if meta is not None]
+    rows = [i for i, (lay, _) in enumerate(layouts) if lay.empty is None]
+    # one per distinct layout (decode_layouts gives the rows of a put the same object)
+    used = list(
+        {
+            id(lay): lay for lay in ([layouts[i][0] for i in rows] or [lay for lay, _ in layouts])
+        }.values()
+    )
+    if not used:
+        return Merged([], [], set(), {}, None, {}, metas)
+    first = used[0]
+    for lay in used:
+        if lay.batch != first.batch or (lay.rollout is None) != (first.rollout is None):
             raise SchemaError(
-                f"rows 0 and {row} were put from DataProtos with different derived tensors "
-                f"({first.derived} vs {lay.derived}); read rows of one kind of DataProto together"
+                f"the rows read come from DataProtos of different kinds ({_kind(first)} vs "
+                f"{_kind(lay)}); read rows of one kind of DataProto together"
             )
-    pads = [lay.pad_token_id for lay in layouts if lay.pad_token_id is not None]
-    response: dict[str, None] = {}
-    dtypes: dict[str, set[str]] = {}
-    for lay in layouts:
-        response.update(dict.fromkeys(lay.response))
-        for key, dt in lay.non_tensor.items():
-            dtypes.setdefault(key, set()).add(dt)
+    empty: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    if not rows:
+        for lay in used:
+            for key, (dtype, shape) in (lay.empty or {}).items():
+                empty.setdefault(key, (torch_dtype(dtype), tuple(shape)))
     return Merged(
-        prompt_length=max(lay.prompt_length for lay in layouts),
-        response_length=max(lay.response_length for lay in layouts),
-        pad_token_id=pads[0] if pads else None,
-        derived=dict(first.derived),
-        response=list(response),
-        non_tensor={key: _one_dtype(key, names) for key, names in dtypes.items()},
+        rows=rows,
+        batch=first.batch,
+        nested={k for lay in used for k in lay.nested},
+        non_tensor=_merge_non_tensor(used),
+        rollout=_merge_rollout([lay.rollout for lay in used if lay.rollout is not None]),
+        empty=empty,
         meta_infos=metas,
     )
 
 
-def _one_dtype(key: str, names: set[str]) -> np.dtype[Any]:
-    dts = [np.dtype(n) for n in sorted(names)]
-    if len(dts) == 1:
-        return dts[0]
-    kinds = {dt.kind for dt in dts}
-    if kinds in ({"U"}, {"S"}):
-        return max(dts, key=lambda dt: dt.itemsize)
-    raise SchemaError(
-        f"non_tensor_batch[{key!r}] was put with different numpy dtypes {sorted(names)}; rows "
-        f"read together must agree on it (np.concatenate would change it)"
+def _kind(lay: Layout) -> str:
+    batch = "no batch" if lay.batch is None else f"batch dims [n, *{lay.batch}]"
+    return f"{batch}, {'a rollout stored unpadded' if lay.rollout else 'dense'}"
+
+
+def _merge_rollout(rollouts: list[Rollout]) -> Rollout | None:
+    if not rollouts:
+        return None
+    first = rollouts[0]
+    for lay in rollouts:
+        if lay.derived != first.derived:
+            raise SchemaError(
+                f"the rows read were put from DataProtos with different rebuilt tensors "
+                f"({first.derived} vs {lay.derived}); read rows of one kind of DataProto together"
+            )
+    pads = [lay.pad_token_id for lay in rollouts if lay.pad_token_id is not None]
+    return Rollout(
+        prompt_length=max(lay.prompt_length for lay in rollouts),
+        response_length=max(lay.response_length for lay in rollouts),
+        pad_token_id=pads[0] if pads else None,
+        derived=dict(first.derived),
+        response=list(dict.fromkeys(k for lay in rollouts for k in lay.response)),
     )
 
 
-def merge_meta_info(metas: list[dict[str, Any]]) -> dict[str, Any]:
+def _merge_non_tensor(
+    layouts: list[Layout],
+) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]] | None:
+    if all(lay.non_tensor is None for lay in layouts):
+        return None
+    found: dict[str, dict[tuple[str, tuple[int, ...]], None]] = {}
+    for lay in layouts:
+        for key, (dt, shape) in (lay.non_tensor or {}).items():
+            found.setdefault(key, {})[(str(dt), tuple(shape))] = None
+    return {key: _one_dtype(key, list(kinds)) for key, kinds in found.items()}
+
+
+def _one_dtype(
+    key: str, kinds: list[tuple[str, tuple[int, ...]]]
+) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    dts = [np.dtype(dt) for dt, _ in kinds]
+    shapes = {shape for _, shape in kinds}
+    if len(shapes) == 1:
+        if len(set(dts)) == 1:
+            return dts[0], kinds[0][1]
+        if {dt.kind for dt in dts} in ({"U"}, {"S"}):
+            return max(dts, key=lambda dt: dt.itemsize), kinds[0][1]
+    described = sorted({f"{dt} {list(shape)}" for dt, shape in kinds})
+    raise SchemaError(
+        f"non_tensor_batch[{key!r}] was put with different numpy dtypes or trailing shapes "
+        f"{described}; rows read together must agree on them (np.concatenate would change them)"
+    )
+
+
+def merge_meta_info(metas: list[Any]) -> Any:
     """The ``meta_info`` of a batch: the put's own for one put, else verl's ``DataProto.concat``
     merge (per-worker ``metrics`` gathered, other keys must agree)."""
     if not metas:
@@ -195,8 +252,8 @@ def merge_meta_info(metas: list[dict[str, Any]]) -> dict[str, Any]:
     from verl.protocol import DataProto
 
     try:
-        return dict(DataProto.concat([DataProto(meta_info=m) for m in metas]).meta_info)
-    except AssertionError as exc:  # verl asserts that non-metric keys agree
+        return dict(DataProto.concat([DataProto(meta_info=m or {}) for m in metas]).meta_info)
+    except (AssertionError, ValueError) as exc:  # verl asserts that non-metric keys agree
         raise SchemaError(
             f"the batch holds rows of {len(metas)} puts whose meta_info cannot be merged the way "
             f"DataProto.concat merges them ({exc}); read the puts separately"

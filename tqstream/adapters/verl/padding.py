@@ -40,6 +40,11 @@ def mask_lengths(mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, t
             f"attention_mask must be [batch, prompt_length + response_length], got shape "
             f"{list(mask.shape)}"
         )
+    prompt_len = mask[:, :prompt_width].sum(dim=1, dtype=torch.int64)
+    response_len = mask[:, prompt_width:].sum(dim=1, dtype=torch.int64)
+    width = mask.shape[1] - prompt_width
+    if torch.equal(mask, attention_mask(prompt_len, response_len, prompt_width, width, mask.dtype)):
+        return prompt_len, response_len  # the common case: one comparison with what it must be
     binary = (mask == 0) | (mask == 1)
     if not bool(binary.all()):
         row = _first_bad_row(~binary.all(dim=1))
@@ -67,7 +72,7 @@ def mask_lengths(mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, t
             f"be 1s then 0s; a hole or a 1 over right padding means the mask disagrees with the "
             f"padding"
         )
-    return prompt.sum(dim=1), response.sum(dim=1)
+    raise AssertionError("unreachable: a mask that is not verl's has a first bad row")
 
 
 def check_padding(name: str, t: torch.Tensor, keep: torch.Tensor, pad: float, what: str) -> None:
@@ -76,6 +81,8 @@ def check_padding(name: str, t: torch.Tensor, keep: torch.Tensor, pad: float, wh
     Stripping drops those positions and re-padding writes ``pad`` back, so anything else there
     would not come back: it is a mask that disagrees with the data.
     """
+    if bool(((t == pad) | _expand(keep, t)).all()):
+        return
     outside = t[~keep]
     if outside.numel() == 0:
         return
@@ -96,31 +103,37 @@ def check_padding(name: str, t: torch.Tensor, keep: torch.Tensor, pad: float, wh
     )
 
 
-def strip(t: torch.Tensor, keep: torch.Tensor) -> list[torch.Tensor]:
-    """The rows of ``t`` (``[B, W, ...]``) without the positions ``keep`` (``[B, W]``) drops: one
-    gather for the batch; the rows are views of it."""
-    values = t[keep]
-    lengths = keep.sum(dim=1).tolist()
-    return list(torch.split(values, lengths))
+def strip(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The rows of ``t`` (``[B, W, ...]``) without the positions ``keep`` (``[B, W]``) drops, as a
+    jagged nested tensor over one gather for the batch."""
+    from tqstream.protocol.codec import jagged
+
+    values = t.masked_select(keep) if t.ndim == 2 else t[keep]
+    lengths = keep.sum(dim=1, dtype=torch.int64)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return jagged(values, offsets)
+
+
+def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``mask`` ``[B, W]`` over ``like``'s trailing dims."""
+    return mask.reshape(*mask.shape, *[1] * (like.ndim - 2)).expand(like.shape)
 
 
 def pad_rows(
     values: torch.Tensor, offsets: torch.Tensor, width: int, pad: float, *, left: bool
 ) -> torch.Tensor:
     """``[B, width, ...]`` from ragged rows (row ``i`` is ``values[offsets[i]:offsets[i+1]]``),
-    filled with ``pad``, rows aligned right (``left=True``: left padding) or left. One scatter."""
+    filled with ``pad``, rows aligned right (``left=True``: left padding) or left. One masked
+    scatter (it fills the kept positions in row-major order, which is the rows' order)."""
     offsets = offsets.to(torch.int64)
     lo, hi = int(offsets[0]), int(offsets[-1])
-    values, offsets = values[lo:hi], offsets - lo
     lengths = offsets[1:] - offsets[:-1]
-    n = lengths.numel()
-    out = torch.full((n, width, *values.shape[1:]), pad, dtype=values.dtype)
+    out = torch.full((lengths.numel(), width, *values.shape[1:]), pad, dtype=values.dtype)
     if hi > lo:
-        rows = torch.repeat_interleave(torch.arange(n), lengths, output_size=hi - lo)
-        cols = torch.arange(hi - lo) - offsets[:-1].index_select(0, rows)
-        if left:
-            cols = cols + (width - lengths).index_select(0, rows)
-        out[rows, cols] = values
+        cols = torch.arange(width)[None, :]
+        keep = cols >= (width - lengths)[:, None] if left else cols < lengths[:, None]
+        out.masked_scatter_(_expand(keep, out), values[lo:hi])
     return out
 
 

@@ -1,11 +1,13 @@
-"""tqstream rows → verl ``DataProto``: re-pad, rebuild the derived tensors, restore the arrays.
+"""tqstream rows → verl ``DataProto``: decode the layout, re-pad a rollout, restore the arrays.
 
 The inverse of :func:`~tqstream.adapters.verl.dataproto.dataproto_to_rows`. Rows are read jagged
-(or padded with ``<field>_lengths``); ``prompts`` are left-padded and the response-aligned fields
-right-padded to the widths asked for (default: the widest put's), with a few scatters for the whole
-batch; ``attention_mask``, ``input_ids`` and ``position_ids`` are rebuilt from the lengths with
-verl's own ``compute_position_id_with_mask``; ``non_tensor_batch`` arrays get their numpy dtypes
-back from the row layout, and ``meta_info`` is the put's (or the puts' merged).
+(or padded with ``<field>_lengths``). For a rollout, ``prompts`` are left-padded and the
+response-aligned fields right-padded to the widths asked for (default: the widest put's), with a
+few scatters for the whole batch, and ``attention_mask``, ``input_ids`` and ``position_ids`` are
+rebuilt from the lengths with verl's own ``compute_position_id_with_mask``. Other batch tensors
+come back as they were read; ``non_tensor_batch`` arrays get their numpy dtypes and shapes back
+from the row layout (object values decoded by :mod:`.objects`), and ``meta_info`` is the put's (or
+the puts' merged).
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ import numpy as np
 import torch
 
 import tqstream.adapters.verl.padding as padding
+from tqstream.adapters.verl.dataproto import stored_dense
 from tqstream.adapters.verl.layout import (
-    DERIVED_FIELDS,
     LAYOUT_FIELD,
     Merged,
+    Rollout,
+    decode_layouts,
     merge_layouts,
     merge_meta_info,
 )
+from tqstream.adapters.verl.objects import decode_rows
 from tqstream.client.client import Batch
 from tqstream.errors import InvalidRequestError, SchemaError
-from tqstream.protocol.codec import torch_dtype
+from tqstream.protocol.codec import jagged, torch_dtype
 
 __all__ = ["rows_to_dataproto"]
 
@@ -38,82 +43,142 @@ def rows_to_dataproto(
     pad_token_id: int | None = None,
 ) -> Any:
     """A ``DataProto`` of read rows (a ``Batch`` or its TensorDict; ragged fields jagged, or padded
-    with ``<field>_lengths``), re-padded to ``prompt_length`` / ``response_length``.
+    with ``<field>_lengths``); a rollout is re-padded to ``prompt_length`` / ``response_length``.
 
     Widths and pad id default to the widest put's and the put's own, which gives back an equal
     ``DataProto`` for a put's rows. Rows without the ``dataproto`` layout field (put by other
-    producers) are converted too: ragged fields are response-aligned, object fields become
-    object arrays, and the widths are the longest row's.
+    producers) are converted as a rollout: ragged fields are response-aligned, object fields
+    become object arrays, and the widths are the longest row's.
     """
+    td = batch.data if isinstance(batch, Batch) else batch
+    keys = list(td.keys())
+    if LAYOUT_FIELD not in keys:
+        return _foreign(td, keys, prompt_length, response_length, pad_token_id)
+    merged = merge_layouts(decode_layouts(_rows(td, keys, LAYOUT_FIELD)))
+    n = len(merged.rows)
+    if n != int(td.batch_size[0]) and len(keys) > 1 + (f"{LAYOUT_FIELD}_lengths" in keys):
+        raise SchemaError(  # such rows hold only the layout, so no other field can be read
+            "the batch mixes rows of DataProtos without rows with fields of other rows"
+        )
+    if not n:
+        return _no_rows(merged)
+    ro = merged.rollout
+    tensors: dict[str, Any] = {}
+    ragged = {LAYOUT_FIELD, *merged.nested}
+    widths: tuple[int, int | None] = (0, None)
+    if ro is not None:
+        ragged.update(("prompts", "responses", *ro.response))
+        widths = _rollout(td, keys, ro, tensors, prompt_length, response_length, pad_token_id)
+    non_tensor: dict[str, np.ndarray] | None = None if merged.non_tensor is None else {}
+    for key, (dtype, _) in (merged.non_tensor or {}).items():
+        if not stored_dense(dtype):
+            ragged.add(key)
+    for key in keys:
+        if (
+            key in tensors
+            or key == LAYOUT_FIELD
+            or (key.endswith("_lengths") and key[:-8] in ragged)
+        ):
+            continue
+        if merged.non_tensor is not None and key in merged.non_tensor:
+            assert non_tensor is not None
+            non_tensor[key] = _array(td, keys, key, *merged.non_tensor[key])
+        elif ro is not None and key in ro.response:
+            values, offsets = _ragged(td, keys, key)
+            width = widths[1]
+            if width is None:  # responses not read: the field's own width
+                width = _width("response_length", response_length, ro.response_length, offsets)
+            tensors[key] = padding.pad_rows(values, offsets, width, 0, left=False)
+        elif key in merged.nested:
+            value = td.get(key)
+            tensors[key] = value if value.is_nested else jagged(*_ragged(td, keys, key))
+        else:
+            tensors[key] = td.get(key)
+    return _dataproto(merged, n, tensors, non_tensor, merge_meta_info(merged.meta_infos))
+
+
+def _dataproto(
+    merged: Merged,
+    n: int,
+    tensors: dict[str, Any],
+    non_tensor_: dict[str, np.ndarray] | None,
+    meta_info: Any,
+) -> Any:
+    from tensordict import TensorDict
     from verl.protocol import DataProto
 
-    td = batch.data if isinstance(batch, Batch) else batch
-    n = int(td.batch_size[0])
-    keys = list(td.keys())
-    for name in ("prompts", "responses"):
-        if name not in keys:
-            raise SchemaError(
-                f"rows_to_dataproto needs the {name!r} field to rebuild the batch (read it; the "
-                f"batch has {sorted(keys)})"
-            )
-    merged = _layout(td, keys)
-    prompts = _ragged(td, keys, "prompts")
-    responses = _ragged(td, keys, "responses")
-    p_width = _width("prompt_length", prompt_length, merged.prompt_length, prompts[1])
-    r_width = _width("response_length", response_length, merged.response_length, responses[1])
-    pad = pad_token_id if pad_token_id is not None else merged.pad_token_id or 0
-    tensors: dict[str, torch.Tensor] = {
-        "prompts": padding.pad_rows(*prompts, p_width, pad, left=True),
-        "responses": padding.pad_rows(*responses, r_width, pad, left=False),
-    }
-    tensors.update(_derived(merged, prompts[1], responses[1], tensors, p_width, r_width))
-    non_tensor: dict[str, np.ndarray] = {}
-    ragged = _ragged_names(td, keys, merged, LAYOUT_FIELD in keys)
-    skip = {"prompts", "responses", LAYOUT_FIELD, *(f"{k}_lengths" for k in ragged)}
-    for key in keys:
-        if key in skip:
-            continue
-        value = td.get(key)
-        if not isinstance(value, torch.Tensor):
-            non_tensor[key] = _object_array(key, value, n, merged.non_tensor.get(key))
-        elif key in merged.non_tensor:
-            non_tensor[key] = value.numpy().astype(merged.non_tensor[key], copy=True)
-        elif key in ragged:
-            tensors[key] = padding.pad_rows(*_ragged(td, keys, key), r_width, 0, left=False)
-        else:
-            tensors[key] = value
-    from tensordict import TensorDict
-
-    return DataProto(
-        batch=TensorDict(tensors, batch_size=[n]),
-        non_tensor_batch=non_tensor,
-        meta_info=merge_meta_info(merged.meta_infos),
-    )
-
-
-def _layout(td: Any, keys: list[str]) -> Merged:
-    if LAYOUT_FIELD not in keys:
-        return Merged(0, 0, None, dict.fromkeys(DERIVED_FIELDS, "int64"), [], {}, [])
-    return merge_layouts(td.get(LAYOUT_FIELD).tolist())
-
-
-def _ragged_names(td: Any, keys: list[str], merged: Merged, has_layout: bool) -> set[str]:
-    """The response-aligned fields to re-pad: the layout's, and any read jagged (or, for rows of
-    other producers, read padded with ``<field>_lengths``)."""
-    out = {"prompts", "responses", *(k for k in merged.response if k in keys)}
-    for key in keys:
-        value = td.get(key)
-        if isinstance(value, torch.Tensor) and value.is_nested:
-            out.add(key)
-        elif not has_layout and key.endswith("_lengths") and key[: -len("_lengths")] in keys:
-            out.add(key[: -len("_lengths")])
+    non_tensor: Any = non_tensor_  # verl annotates a dict, and holds None when given None
+    if merged.batch is None:
+        return DataProto(batch=None, non_tensor_batch=non_tensor, meta_info=meta_info)
+    td = TensorDict(tensors, batch_size=[n, *merged.batch])
+    if not merged.batch:
+        return DataProto(batch=td, non_tensor_batch=non_tensor, meta_info=meta_info)
+    # several batch dims: what verl's unfold_batch_dim leaves in the DataProto it is given, which
+    # DataProto's own check refuses at construction
+    out = DataProto(batch=None, non_tensor_batch=non_tensor, meta_info=meta_info)
+    out.batch = td
     return out
+
+
+def _no_rows(merged: Merged) -> Any:
+    """The ``DataProto`` of rows of ``DataProto``s without rows: empty tensors and arrays of the
+    recorded dtypes and shapes, and their ``meta_info``."""
+    dims = merged.batch or []
+    tensors: dict[str, Any] = {}
+    for key, (dtype, shape) in merged.empty.items():
+        if key in merged.nested:
+            tensors[key] = jagged(
+                torch.empty((0, *shape), dtype=dtype), torch.zeros(1, dtype=torch.int64)
+            )
+        else:
+            tensors[key] = torch.empty((0, *dims, *shape), dtype=dtype)
+    non_tensor = None
+    if merged.non_tensor is not None:
+        non_tensor = {
+            k: np.empty((0, *shape), dtype=dt) for k, (dt, shape) in merged.non_tensor.items()
+        }
+    return _dataproto(merged, 0, tensors, non_tensor, merge_meta_info(merged.meta_infos))
+
+
+def _rows(td: Any, keys: list[str], name: str) -> list[memoryview]:
+    """Each row's bytes of a ragged ``uint8`` field."""
+    values, offsets = _ragged(td, keys, name)
+    view = values.contiguous().numpy().data if values.numel() else memoryview(b"")
+    bounds = offsets.tolist()
+    return [view[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+
+
+def _array(
+    td: Any, keys: list[str], key: str, dtype: np.dtype[Any], trailing: tuple[int, ...]
+) -> np.ndarray:
+    """A ``non_tensor_batch`` array of its put's dtype and shape."""
+    if stored_dense(dtype):
+        return td.get(key).numpy().astype(dtype, copy=True)
+    values = decode_rows(key, *_ragged(td, keys, key))
+    n = len(values)
+    try:
+        if dtype.kind in "US":
+            return np.array(values, dtype=dtype).reshape(n, *trailing)
+        if dtype.kind == "O" and not trailing:
+            return np.fromiter(values, dtype=object, count=n)
+        out = np.empty((n, *trailing), dtype=dtype)
+        for i, value in enumerate(values):
+            out[i] = value
+        return out
+    except (ValueError, TypeError) as exc:
+        raise SchemaError(
+            f"field {key!r}: its rows are not {dtype} values of shape {list(trailing)} ({exc}); "
+            f"were they put with dataproto_to_rows?",
+            field=key,
+        ) from exc
 
 
 def _ragged(td: Any, keys: list[str], name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, offsets)`` of a ragged field read jagged, or padded with its lengths."""
     t = td.get(name)
     if t.is_nested:
+        if getattr(t, "_lengths", 0) is None and getattr(t, "_ragged_idx", 0) == 1:
+            return t._values, t._offsets  # torch's accessors dispatch: ~100 µs a field
         return t.values(), t.offsets()
     lengths_key = f"{name}_lengths"
     if lengths_key not in keys:
@@ -125,6 +190,32 @@ def _ragged(td: Any, keys: list[str], name: str) -> tuple[torch.Tensor, torch.Te
     keep = torch.arange(t.shape[1])[None, :] < lengths[:, None]
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     return t[keep], offsets
+
+
+# --- rollouts ------------------------------------------------------------------------------------
+def _rollout(
+    td: Any,
+    keys: list[str],
+    ro: Rollout,
+    tensors: dict[str, Any],
+    prompt_length: int | None,
+    response_length: int | None,
+    pad_token_id: int | None,
+) -> tuple[int, int | None]:
+    """Re-pad ``prompts`` and ``responses`` and rebuild the derived tensors into ``tensors``
+    (when both were read); the widths used (None: not read)."""
+    if "prompts" not in keys or "responses" not in keys:
+        return 0, None
+    prompts = _ragged(td, keys, "prompts")
+    responses = _ragged(td, keys, "responses")
+    p_width = _width("prompt_length", prompt_length, ro.prompt_length, prompts[1])
+    r_width = _width("response_length", response_length, ro.response_length, responses[1])
+    pad = pad_token_id if pad_token_id is not None else ro.pad_token_id or 0
+    tensors["prompts"] = padding.pad_rows(*prompts, p_width, pad, left=True)
+    tensors["responses"] = padding.pad_rows(*responses, r_width, pad, left=False)
+    dtypes = {k: torch_dtype(v) for k, v in ro.derived.items()}
+    tensors.update(_derived(dtypes, prompts[1], responses[1], tensors, p_width, r_width))
+    return p_width, r_width
 
 
 def _width(name: str, asked: int | None, stored: int, offsets: torch.Tensor) -> int:
@@ -142,7 +233,7 @@ def _width(name: str, asked: int | None, stored: int, offsets: torch.Tensor) -> 
 
 
 def _derived(
-    merged: Merged,
+    dtypes: dict[str, torch.dtype],
     p_offsets: torch.Tensor,
     r_offsets: torch.Tensor,
     tensors: dict[str, torch.Tensor],
@@ -153,7 +244,6 @@ def _derived(
 
     p_len = (p_offsets[1:] - p_offsets[:-1]).to(torch.int64)
     r_len = (r_offsets[1:] - r_offsets[:-1]).to(torch.int64)
-    dtypes = {k: torch_dtype(v) for k, v in merged.derived.items()}
     mask = padding.attention_mask(p_len, r_len, p_width, r_width, torch.int64)
     out = {"attention_mask": mask.to(dtypes.get("attention_mask", torch.int64))}
     if "input_ids" in dtypes:
@@ -164,13 +254,53 @@ def _derived(
     return out
 
 
-def _object_array(key: str, value: Any, n: int, dtype: np.dtype[Any] | None) -> np.ndarray:
+# --- rows of other producers ---------------------------------------------------------------------
+_FOREIGN = Rollout(0, 0, None, {"attention_mask": "int64", "input_ids": "int64",
+                                "position_ids": "int64"}, [])  # fmt: skip
+
+
+def _foreign(
+    td: Any,
+    keys: list[str],
+    prompt_length: int | None,
+    response_length: int | None,
+    pad_token_id: int | None,
+) -> Any:
+    """Rows put without a layout: a rollout whose ragged fields are response-aligned."""
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+
+    n = int(td.batch_size[0])
+    for name in ("prompts", "responses"):
+        if name not in keys:
+            raise SchemaError(
+                f"rows_to_dataproto needs the {name!r} field to rebuild the batch (read it; the "
+                f"batch has {sorted(keys)})"
+            )
+    tensors: dict[str, Any] = {}
+    widths = _rollout(td, keys, _FOREIGN, tensors, prompt_length, response_length, pad_token_id)
+    ragged = {k for k in keys if isinstance(td.get(k), torch.Tensor) and td.get(k).is_nested}
+    ragged.update(k[:-8] for k in keys if k.endswith("_lengths") and k[:-8] in keys)
+    non_tensor: dict[str, np.ndarray] = {}
+    for key in keys:
+        if key in tensors or (key.endswith("_lengths") and key[:-8] in ragged):
+            continue
+        value = td.get(key)
+        if not isinstance(value, torch.Tensor):
+            non_tensor[key] = _object_array(key, value, n)
+        elif key in ragged:
+            width = widths[1]
+            assert width is not None
+            tensors[key] = padding.pad_rows(*_ragged(td, keys, key), width, 0, left=False)
+        else:
+            tensors[key] = value
+    return DataProto(
+        batch=TensorDict(tensors, batch_size=[n]), non_tensor_batch=non_tensor, meta_info={}
+    )
+
+
+def _object_array(key: str, value: Any, n: int) -> np.ndarray:
     values = value.tolist() if hasattr(value, "tolist") else list(value)
     if len(values) != n:
         raise SchemaError(f"field {key!r} has {len(values)} values for {n} rows")
-    if dtype is not None and dtype.kind in "US":
-        return np.array(values, dtype=dtype)
-    arr = np.empty(n, dtype=object)
-    for i, v in enumerate(values):  # element by element: lists must not become a 2-D array
-        arr[i] = v
-    return arr
+    return np.fromiter(values, dtype=object, count=n)  # lists stay elements, never a 2-D array
