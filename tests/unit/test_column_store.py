@@ -287,9 +287,10 @@ class StoreMachine(RuleBasedStateMachine):
         for r in rows:
             if r not in held:
                 continue  # dropped since
-            old = self.model[partition][r][name]
+            # the chunk holding the old value may have been dropped since (the field went with it)
+            old = self.model[partition][r].get(name)
             self.model[partition][r][name] = chunk
-            if old not in self.model[partition][r].values():
+            if old is not None and old not in self.model[partition][r].values():
                 self._drop_from(old, r)
 
     @rule(partition=st.sampled_from("ab"), field=st.sampled_from("dro"), data=st.data())
@@ -410,3 +411,16 @@ def test_an_overwrite_adding_new_rows_indexes_them_at_once(store):
     assert content(store.fetch("p", [19, 20], ["d"])["d"]) == [value("d", 19, 1), value("d", 20, 2)]
     store.publish(2)
     assert content(store.fetch("p", [19, 20], ["d"])["d"]) == [value("d", 19, 2), value("d", 20, 2)]
+
+
+def test_publishing_an_overwrite_after_the_old_chunk_was_dropped():
+    # the old value's chunk goes first (dropped while the overwrite was staged): publishing the
+    # overwrite makes its value the row's, and the store's accounting holds only what is live
+    s = ColumnStore()
+    s.add_chunk("b", 1, [0, 1], make_columns("d", [0, 1], 1))
+    assert s.drop_rows("b", [0]) == 1
+    s.add_chunk("b", 2, [1], make_columns("d", [1], 2), overwrite=True)
+    s.drop_chunks([1])
+    s.publish(2)
+    assert content(s.fetch("b", [1], ["d"])["d"]) == [value("d", 1, 2)]
+    assert (s.chunks, s.rows) == (1, 1)

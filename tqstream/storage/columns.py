@@ -211,9 +211,12 @@ class ColumnStore:
         part = self._partitions[chunk.partition]
         replaced: dict[_Chunk, list[int]] = {}  # older chunk -> rows whose field moved here
         for name, row in chunk.staged:
-            held = part.fields.get(name)
-            if held is None or row not in chunk.positions:
+            if row not in chunk.positions:
                 continue  # the row was dropped since
+            held = part.fields.get(name)
+            if held is None:  # the old values' chunks were dropped since, and the field with them
+                held = part.fields[name] = {}
+                part.schemas[name] = chunk.columns[name].schema
             old = held.get(row)
             held[row] = chunk
             if old is not None and old is not chunk:
