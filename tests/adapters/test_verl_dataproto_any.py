@@ -229,6 +229,20 @@ def test_codec_round_trips_exact_values() -> None:
     assert same(unpack(pack({"m": (1, math.inf)}, "meta_info"), "meta_info"), {"m": (1, math.inf)})
 
 
+def test_bytearrays_inside_object_arrays_stay_bytearrays() -> None:
+    # a row of a 2-D object array is itself an object array: msgpack would pack its bytearrays as
+    # bytes without asking, so they are looked for there too
+    grid = np.empty((2, 2), dtype=object)
+    grid[:] = None
+    grid[0, 0], grid[1, 1] = (1, bytearray(b"x")), bytearray(b"")
+    nt = encode_rows("v", [*grid, objects([{"k": bytearray(b"\xc4")}])])
+    back = decode_rows("v", nt.values(), nt.offsets())
+    from verl_dataproto_recorder import same
+
+    for want, got in zip([*grid, objects([{"k": bytearray(b"\xc4")}])], back, strict=True):
+        assert same(want, got), (want, got)
+
+
 @pytest.mark.parametrize(
     ("data", "match"),
     [

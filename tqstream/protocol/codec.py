@@ -589,9 +589,11 @@ def _tensor_from_frame(ref: BufferRef, frames: Sequence[Any], what: str, bad: An
         raise bad(f"{what} frame {ref.frame} has {buffer.nbytes} bytes, expected {expected} "
                   f"({ref.dtype}{list(ref.shape)})")  # fmt: skip
     t = _frombuffer(buffer, dtype)
-    if len(ref.shape) != 1:
-        t = t.reshape(ref.shape)
-    return t.clone() if t.data_ptr() % dtype.itemsize else t
+    if t.data_ptr() % dtype.itemsize:
+        # copied as bytes into an aligned buffer: torch's own copy of a misaligned tensor faults
+        # for some dtypes (complex128 reads 16-byte aligned), and a peer decides the alignment
+        t = _frombuffer(buffer, torch.uint8).clone().view(dtype)
+    return t.reshape(ref.shape) if len(ref.shape) != 1 else t
 
 
 # --- columns -> TensorDict -----------------------------------------------------------------------

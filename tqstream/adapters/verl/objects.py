@@ -135,6 +135,8 @@ def _has_buffers(value: Any) -> bool:
         items: Any = value
     elif kind is dict:
         items = itertools.chain(value, value.values())
+    elif kind is np.ndarray and value.dtype.hasobject:
+        items = value.flat
     else:
         return kind is bytearray or kind is memoryview
     return any(type(v) not in _SAFE and _has_buffers(v) for v in items)
@@ -151,6 +153,11 @@ def _with_bytearrays(value: Any) -> Any:
         return kind(map(_with_bytearrays, value))
     if kind is dict:
         return {_with_bytearrays(k): _with_bytearrays(v) for k, v in value.items()}
+    if kind is np.ndarray and value.dtype.hasobject:
+        out = np.empty(value.size, dtype=value.dtype)
+        for i, item in enumerate(value.flat):
+            out[i] = _with_bytearrays(item)  # one item each: a sequence is not spread over out
+        return out.reshape(value.shape)
     return value
 
 
