@@ -26,6 +26,7 @@ two halves (``phase_put_s``: put / ``ray.put`` / ``dumps``; ``phase_get_s``: the
 
     python -m pytest benchmarks/test_verl_dataproto.py --benchmark-json=FILE
     python -m benchmarks.test_verl_dataproto FILE    # medians, ratios, from that json
+    python -m benchmarks.test_verl_dataproto --interleave [BLOCKS [BLOCK]]   # taking turns
 """
 
 from __future__ import annotations
@@ -335,7 +336,115 @@ def summary(doc: dict[str, Any]) -> str:
     return "\n".join([f"{first['case']}, {first['bytes'] / 1e6:.3g} MB of tensors", "", *lines])
 
 
+# --- interleaved: the systems take turns, so a drift of the machine hits them alike ---------------
+def _worker(name: str) -> int:
+    """One system in a process of its own, driven on stdin: ``go N`` times N round trips,
+    ``report`` prints their times (JSON) and ends."""
+    dp = agent_loop_dataproto()
+    trip = RoundTrip(name)
+    times: list[float] = []
+    try:
+        trip.start(dp)
+        check(dp, trip.get(trip.put(dp), len(dp)))
+        print("ready", flush=True)
+        for line in sys.stdin:
+            command = line.split()
+            if command[0] == "go":
+                for _ in range(int(command[1])):
+                    t0 = time.perf_counter()
+                    trip.get(trip.put(dp), len(dp))
+                    times.append(time.perf_counter() - t0)
+                print("done", flush=True)
+            elif command[0] == "forget":
+                times.clear()
+                print("done", flush=True)
+            else:
+                assert trip.held() == 0, f"{name} still holds rows after the rounds"
+                print(json.dumps(times), flush=True)
+                break
+    finally:
+        trip.close()
+    return 0
+
+
+def interleaved(turns: int = 30, block: int = 3, systems: tuple[str, ...] = SYSTEMS) -> str:
+    """Markdown: each system in a worker process of its own (no shared heap or threads), the
+    workers taking turns of ``block`` round trips, ``turns`` turns each after a warm-up turn;
+    medians, p90 and each system over Ray's object store (or the last one named)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    procs: dict[str, subprocess.Popen[str]] = {}
+
+    def ask(name: str, command: str) -> str:
+        proc = procs[name]
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {name} worker exited (code {proc.wait()})")
+        return line.strip()
+
+    try:
+        for name in systems:  # one at a time: a starting system would slow the others' start
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.test_verl_dataproto", "--worker", name],
+                cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            out = procs[name].stdout
+            assert out is not None
+            if out.readline().strip() != "ready":
+                raise RuntimeError(f"the {name} worker did not start (code {procs[name].wait()})")
+        settle()
+        for name in systems:
+            ask(name, f"go {block}")
+            ask(name, "forget")
+        for _ in range(turns):
+            for name in systems:
+                ask(name, f"go {block}")
+        times = {name: json.loads(ask(name, "report")) for name in systems}
+    finally:
+        for proc in procs.values():
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    medians = {name: statistics.median(took) for name, took in times.items()}
+    ref = "ray-object-store" if "ray-object-store" in medians else systems[-1]
+    lines = [
+        f"B={ROWS} prompt {PROMPT} + response {RESPONSE}; each system in a process of its own, "
+        f"{turns} turns of {block} round trips, interleaved",
+        "",
+        f"| system | round trip (median) | p90 | / {ref} |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, took in times.items():
+        p90 = statistics.quantiles(took, n=10)[-1]
+        lines.append(
+            f"| `{name}` | {medians[name] * 1e3:.3g} ms | {p90 * 1e3:.3g} ms | "
+            f"{medians[name] / medians[ref]:.3g}x |"
+        )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m benchmarks.test_verl_dataproto BENCHMARK_JSON")
-    print(summary(json.loads(Path(sys.argv[1]).read_text())))
+    if sys.argv[1:2] == ["--worker"]:
+        sys.exit(_worker(sys.argv[2]))
+    if sys.argv[1:2] == ["--interleave"]:
+        given = [int(a) for a in sys.argv[2:4]]
+        turns, block = given + [30, 3][len(given) :]
+        print(interleaved(turns, block))
+    elif len(sys.argv) == 2:
+        print(summary(json.loads(Path(sys.argv[1]).read_text())))
+    else:
+        sys.exit(
+            "usage: python -m benchmarks.test_verl_dataproto BENCHMARK_JSON\n"
+            "       python -m benchmarks.test_verl_dataproto --interleave [BLOCKS [BLOCK]]"
+        )

@@ -245,7 +245,13 @@ def test_rows_are_unpadded_and_uid_is_the_group(client: tqstream.Client, partiti
     assert meta.groups == ["uid-0", "uid-0"]
     schemas = client.stats(partition).partitions[partition].schemas
     assert schemas["prompts"].kind == "ragged" and schemas["rollout_log_probs"].kind == "ragged"
-    assert (schemas["uid"].kind, schemas["uid"].dtype) == ("ragged", "uint8")  # encoded values
+    # object values ride in the layout field; the key's own field is an empty marker
+    assert (schemas["uid"].kind, schemas["uid"].dtype, schemas["uid"].shape) == (
+        "dense",
+        "bool",
+        (0,),
+    )
+    assert (schemas[LAYOUT_FIELD].kind, schemas[LAYOUT_FIELD].dtype) == ("ragged", "uint8")
     assert not {"input_ids", "attention_mask", "position_ids"} & set(schemas)
 
 

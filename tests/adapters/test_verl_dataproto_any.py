@@ -219,7 +219,8 @@ def test_codec_round_trips_exact_values() -> None:
     values = [(1, (2,)), {1: "a", (2, 3): [None]}, math.nan, -0.0, 2**80, np.float32(0.5),
               np.str_(""), np.arange(3).astype(">i2"), objects([[1], {"a": 1}]),
               torch.tensor([1.5], dtype=torch.bfloat16), {1, "a"}, frozenset({2}), 1 + 2j,
-              bytearray(b"\xc4x"), b"\xc5", np.datetime64("2024-01-01")]  # fmt: skip
+              bytearray(b"\xc4x"), b"\xc5", np.datetime64("2024-01-01"), np.str_("a\x00"),
+              np.bytes_(b"\x00"), np.str_("\ud800")]  # fmt: skip
     nt = encode_rows("v", values)
     back = decode_rows("v", nt.values(), nt.offsets())
     from verl_dataproto_recorder import same
@@ -264,9 +265,21 @@ def test_bytes_from_a_peer_are_checked(data: bytes, match: str) -> None:
         decode_rows("f", values, torch.tensor([0, len(data)]))
 
 
-def test_a_row_that_is_not_a_layout_is_refused(client: tqstream.Client, partition: str) -> None:
-    nt = encode_rows(LAYOUT_FIELD, [{"batch": "x"}])
-    client.put({LAYOUT_FIELD: nt}, partition)
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ([{"batch": "x"}], "field 'dataproto' does not hold verl row layouts"),  # one value
+        ([msgpack.packb(b"\x01"), None], "field 'dataproto' is not a verl row layout"),
+        ([1, None], "field 'dataproto' does not start with a verl row layout"),
+    ],
+    ids=["one-value", "not-a-layout", "no-head"],
+)
+def test_a_row_that_is_not_a_layout_is_refused(
+    client: tqstream.Client, partition: str, row: list[Any], match: str
+) -> None:
+    data = b"".join(msgpack.packb(v, use_bin_type=True) for v in row)
+    values = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    client.put({LAYOUT_FIELD: [values]}, partition)
     batch = client.get(partition, [LAYOUT_FIELD], 1, "t", timeout=10)
-    with pytest.raises(tqstream.SchemaError, match="field 'dataproto' is not a verl row layout"):
+    with pytest.raises(tqstream.SchemaError, match=match):
         rows_to_dataproto(batch)

@@ -12,11 +12,12 @@ equality: values, dtypes, shapes, Python types):
   with the padding. ``attention_mask``, and ``input_ids`` / ``position_ids`` when they are what
   verl computes from it, are not stored but rebuilt;
 - every other batch tensor is a field as it is (dense, or ragged for a jagged nested tensor);
-- each ``non_tensor_batch`` array is a field: numeric arrays as dense tensors, everything else
-  (object, string, datetime arrays, of any number of dims) one exactly encoded value per row
-  (:mod:`.objects`: msgpack with extension types, never pickle);
-- ``uid`` is also the rows' group, and the per-row ``dataproto`` field holds the layout and, on the
-  first row, ``meta_info`` (:mod:`.layout`).
+- each ``non_tensor_batch`` array is a field: numeric arrays as dense tensors; everything else
+  (object, string, datetime arrays, of any number of dims) an empty ``bool [n, 0]`` marker field,
+  its values exactly encoded (:mod:`.objects`: msgpack with extension types, never pickle) in the
+  row's ``dataproto`` field, one map per row of all such values;
+- ``uid`` is also the rows' group, and the per-row ``dataproto`` field holds the layout, on the
+  first row ``meta_info``, and the object values (:mod:`.layout`).
 
 A ``DataProto`` without rows is one row holding only the layout. What cannot be stored exactly (a
 value of an arbitrary Python class, a nested ``TensorDict``, masks that disagree with a rollout's
@@ -39,10 +40,11 @@ from tqstream.adapters.verl.layout import (
     RESPONSE_FIELDS,
     Layout,
     Rollout,
+    head,
 )
-from tqstream.adapters.verl.objects import encode_rows
-from tqstream.errors import InvalidRequestError, SchemaError
-from tqstream.protocol.codec import dtype_name, jagged
+from tqstream.adapters.verl.objects import encode_headed_rows
+from tqstream.errors import BatchShapeError, InvalidRequestError, SchemaError
+from tqstream.protocol.codec import dtype_name
 
 __all__ = ["RowBatch", "dataproto_to_rows", "stored_dense", "stored_fields"]
 
@@ -137,12 +139,25 @@ def dataproto_to_rows(
             nested.append(key)
         rows[key] = t
     layout_non_tensor = None
+    objects: dict[str, Sequence[Any]] = {}
     if non_tensor is not None:
         layout_non_tensor = {}
         for key, arr in non_tensor.items():
-            rows[key], layout_non_tensor[key] = _non_tensor_field(key, arr)
+            field, layout_non_tensor[key] = _non_tensor_field(key, arr)
+            if len(field) != n:
+                raise BatchShapeError(
+                    f"fields disagree on the number of rows: non_tensor_batch[{key!r}] has "
+                    f"{len(field)}, the DataProto {n}; every field of a put needs one entry per "
+                    f"row (the same leading dimension)",
+                    rows={key: len(field), "DataProto": n},
+                )
+            if isinstance(field, torch.Tensor):
+                rows[key] = field
+            else:  # the values go in the layout field; the key's own field marks the rows
+                rows[key] = torch.empty((n, 0), dtype=torch.bool)
+                objects[key] = field
     layout = Layout(dims, nested, layout_non_tensor, rollout)
-    rows[LAYOUT_FIELD] = _layout_rows(layout, data.meta_info, n)
+    rows[LAYOUT_FIELD] = _layout_rows(layout, data.meta_info, n, objects)
     uid = (non_tensor or {}).get("uid")
     groups = None if uid is None or uid.ndim != 1 else [str(u) for u in uid.tolist()]
     return RowBatch(rows, groups)
@@ -211,16 +226,16 @@ def _unpad(
     """Fill ``rows`` with a rollout's unpadded fields, after checking the masks."""
     prompts, responses, mask = (tensors[k] for k in _ROLLOUT)
     p_width, r_width = prompts.shape[1], responses.shape[1]
-    p_len, _ = padding.mask_lengths(mask, p_width)
-    p_keep, r_keep = mask[:, :p_width] != 0, mask[:, p_width:] != 0
+    p_len, r_len, p_keep, r_keep = padding.mask_lengths(mask, p_width)
     pad = _pad_token(prompts, responses, p_keep, r_keep, pad_token_id)
     _check_prompt_start(prompts, p_keep, p_len, pad)
     derived = _derived(tensors, prompts, responses, mask)
     response = [k for k in dict.fromkeys((*RESPONSE_FIELDS, *response_fields)) if k in tensors]
-    rows["prompts"] = padding.strip(prompts, p_keep)
-    rows["responses"] = padding.strip(responses, r_keep)
+    r_offsets = padding.offsets_of(r_len)
+    rows["prompts"] = padding.strip(prompts, p_keep, padding.offsets_of(p_len))
+    rows["responses"] = padding.strip(responses, r_keep, r_offsets)
     for key in response:
-        rows[key] = _strip_response_field(key, tensors[key], r_keep, r_width)
+        rows[key] = _strip_response_field(key, tensors[key], r_keep, r_offsets)
     return Rollout(p_width, r_width, pad, derived, response)
 
 
@@ -319,19 +334,21 @@ def _derived(
 
 
 def _strip_response_field(
-    key: str, t: torch.Tensor, r_keep: torch.Tensor, r_width: int
+    key: str, t: torch.Tensor, r_keep: torch.Tensor, r_offsets: torch.Tensor
 ) -> torch.Tensor:
+    r_width = r_keep.shape[1]
     if t.ndim < 2 or t.shape[1] != r_width:
         raise InvalidRequestError(
             f"{key} has shape {list(t.shape)} but responses is {r_width} tokens wide: a "
             f"response-aligned field has one entry per response position"
         )
     padding.check_padding(key, t, r_keep, 0, "beyond the response")
-    return padding.strip(t, r_keep)
+    return padding.strip(t, r_keep, r_offsets)
 
 
-def _non_tensor_field(key: str, arr: Any) -> tuple[Any, list[Any]]:
-    """A ``non_tensor_batch`` array as a field, and its layout entry ``[dtype, trailing]``."""
+def _non_tensor_field(key: str, arr: Any) -> tuple[torch.Tensor | Sequence[Any], list[Any]]:
+    """A ``non_tensor_batch`` array as a dense field or as the values to encode (one per row), and
+    its layout entry ``[dtype, trailing]``."""
     if not isinstance(arr, np.ndarray):
         raise SchemaError(
             f"non_tensor_batch[{key!r}] is a {type(arr).__name__}; DataProto holds numpy arrays"
@@ -349,15 +366,16 @@ def _non_tensor_field(key: str, arr: Any) -> tuple[Any, list[Any]]:
         values: Sequence[Any] = arr.tolist()  # str / bytes / the objects themselves
     else:  # n-D object arrays, datetimes, ...: each row a numpy array or scalar
         values = list(arr)
-    return encode_rows(key, values), entry
+    return values, entry
 
 
-def _layout_rows(layout: Layout, meta_info: Any, n: int) -> torch.Tensor:
-    """The layout field of ``n`` rows (the first carries ``meta_info``), jagged ``uint8``."""
-    first, rest = layout.encode(meta_info, first=True), layout.encode()
-    values = torch.frombuffer(bytearray(first + rest * (n - 1)), dtype=torch.uint8)
-    ends = torch.arange(n, dtype=torch.int64) * len(rest) + len(first)
-    return jagged(values, torch.cat([torch.zeros(1, dtype=torch.int64), ends]))
+def _layout_rows(
+    layout: Layout, meta_info: Any, n: int, objects: dict[str, Sequence[Any]]
+) -> torch.Tensor:
+    """The layout field of ``n`` rows (the first carries ``meta_info``) with their object values,
+    jagged ``uint8`` (see :mod:`.layout`)."""
+    first, rest = head(layout.encode(meta_info, first=True)), head(layout.encode())
+    return encode_headed_rows([first, *[rest] * (n - 1)], objects)
 
 
 def _no_rows(
@@ -381,4 +399,4 @@ def _no_rows(
                 raise SchemaError(f"non_tensor_batch[{key!r}] is not an array of rows")
             layout_non_tensor[key] = [arr.dtype.str, list(arr.shape[1:])]
     layout = Layout(dims, nested, layout_non_tensor, None, empty)
-    return RowBatch({LAYOUT_FIELD: _layout_rows(layout, meta_info, 1)}, None)
+    return RowBatch({LAYOUT_FIELD: _layout_rows(layout, meta_info, 1, {})}, None)

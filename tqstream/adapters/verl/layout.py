@@ -6,10 +6,18 @@ with their numpy dtypes and trailing shapes (an ``int32`` array, a ``<U5`` strin
 object array must come back as one), ``meta_info``, and, for a rollout stored unpadded, the padded
 widths, the pad token and the tensors rebuilt rather than stored (``input_ids``,
 ``attention_mask``, ``position_ids``). Each row carries that as a small map in the object codec of
-:mod:`.objects` (a ragged ``uint8`` field), so that any selection of rows (a trainer's batch mixes
-puts) can be turned back into a ``DataProto``. ``meta_info`` describes the whole put, not a row, so
-only the first row of a put carries it; a batch holding the first rows of several puts merges
-theirs as ``DataProto.concat`` does.
+:mod:`.objects`, so that any selection of rows (a trainer's batch mixes puts) can be turned back
+into a ``DataProto``. ``meta_info`` describes the whole put, not a row, so only the first row of a
+put carries it; a batch holding the first rows of several puts merges theirs as
+``DataProto.concat`` does.
+
+The field (ragged ``uint8``) holds two values per row: the layout's bytes as one bin (the *head*:
+the same bytes for every row of a put but the first, so a read decodes each distinct layout once)
+and a map of the row's object values, ``{non_tensor key: value}`` (nil when the ``DataProto`` has
+no object-valued ``non_tensor_batch`` array). Object values ride here, not in a field each, because
+every field costs a read and a write its per-column overhead whatever its size, and object values
+are small; each such key still has a field of its own, an empty ``bool [n, 0]`` marker, so that a
+read can name the key (and waits for rows that have it) like any other field.
 
 A ``DataProto`` without rows is one row holding only this field, marked ``empty`` with the dtypes
 and shapes of its tensors: it brings its ``meta_info`` and no rows to the ``DataProto`` it is read
@@ -22,6 +30,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 
@@ -36,6 +45,7 @@ __all__ = [
     "Merged",
     "Rollout",
     "decode_layouts",
+    "head",
     "merge_layouts",
     "merge_meta_info",
 ]
@@ -114,16 +124,26 @@ class Layout:
         return layout, meta
 
 
-def decode_layouts(rows: Sequence[Any]) -> list[tuple[Layout, tuple[Any] | None]]:
-    """:meth:`Layout.decode` of each row's bytes; rows of one put share their bytes (all but the
-    first), so each distinct value is decoded once."""
+def head(layout_bytes: bytes) -> bytes:
+    """A row's first value: its layout's bytes (:meth:`Layout.encode`) as one msgpack bin."""
+    return msgpack.packb(layout_bytes, use_bin_type=True)
+
+
+def decode_layouts(heads: Sequence[Any]) -> list[tuple[Layout, tuple[Any] | None]]:
+    """:meth:`Layout.decode` of each row's head (its layout's bytes); rows of one put share their
+    bytes (all but the first), so each distinct value is decoded once."""
     seen: dict[bytes, tuple[Layout, tuple[Any] | None]] = {}
     out = []
-    for row, data in enumerate(rows):
-        key = bytes(data)
-        if key not in seen:
-            seen[key] = Layout.decode(row, key)
-        out.append(seen[key])
+    for row, data in enumerate(heads):
+        if type(data) is not bytes:
+            raise SchemaError(
+                f"row {row}: field {LAYOUT_FIELD!r} does not start with a verl row layout (got "
+                f"{type(data).__name__}); rows read with rows_to_dataproto must have been put from "
+                f"a DataProto (dataproto_to_rows)"
+            )
+        if data not in seen:
+            seen[data] = Layout.decode(row, data)
+        out.append(seen[data])
     return out
 
 

@@ -20,6 +20,9 @@ code type                              payload
 7/8  ``set`` / ``frozenset``           its items, as a list
 9    ``complex``                       ``[real, imag]``
 10   ``bytearray``                     its bytes
+11   ``numpy.str_``                    its UTF-8 (surrogates passed), not its array bytes: those
+                                       would lose trailing NULs
+12   ``numpy.bytes_``                  its bytes (likewise)
 ==== ================================= =============================================================
 
 Floats are IEEE doubles, bit for bit (NaN, -0.0, infinities). Decoding builds only these types:
@@ -36,8 +39,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import msgpack
 import numpy as np
@@ -46,11 +49,10 @@ import torch
 from tqstream.errors import MalformedMessageError, SchemaError
 from tqstream.protocol.codec import dtype_name, jagged, torch_dtype
 
-__all__ = ["decode_rows", "encode_rows", "pack", "unpack"]
+__all__ = ["decode_rows", "encode_headed_rows", "encode_rows", "pack", "unpack"]
 
-_TUPLE, _SCALAR, _ARRAY, _OBJECTS, _TENSOR, _INT, _SET, _FROZENSET, _COMPLEX, _BYTEARRAY = range(
-    1, 11
-)
+(_TUPLE, _SCALAR, _ARRAY, _OBJECTS, _TENSOR, _INT, _SET, _FROZENSET, _COMPLEX, _BYTEARRAY,
+ _NP_STR, _NP_BYTES) = range(1, 13)  # fmt: skip
 _SAFE = (int, float, bool, str, bytes, type(None))
 
 
@@ -82,6 +84,10 @@ def _default(value: Any) -> msgpack.ExtType:
         return msgpack.ExtType(_INT, str(value).encode())
     if kind is np.ndarray:
         return _array(value)
+    if kind is np.str_:
+        return msgpack.ExtType(_NP_STR, str.encode(value, "utf-8", "surrogatepass"))
+    if kind is np.bytes_:
+        return msgpack.ExtType(_NP_BYTES, bytes(value))
     if isinstance(value, np.generic):
         if value.dtype.hasobject or value.dtype.names is not None:
             raise _Unsupported(value, "a structured numpy scalar")
@@ -203,27 +209,57 @@ def _refused(name: str, row: int, exc: Exception) -> SchemaError:
     )
 
 
+def _pack_value(packer: msgpack.Packer, value: Any) -> bytes:
+    """One value's bytes; a bytearray or memoryview packs as bin without asking, so a value whose
+    bytes may hold a bin is looked through for them (raises the ``_ENCODE_ERRORS``)."""
+    packed = packer.pack(value)
+    if _has_bin(packed) and type(value) is not bytes and _has_buffers(value):
+        packed = packer.pack(_with_bytearrays(value))
+    return packed
+
+
+def _rows_tensor(parts: Sequence[bytes]) -> torch.Tensor:
+    """Row ``i`` is ``parts[i]``: a jagged ``uint8`` tensor ``[n, j]``."""
+    values = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+    ends = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)), out=ends[1:])
+    return jagged(values, torch.from_numpy(ends))
+
+
 def encode_rows(name: str, values: Sequence[Any]) -> torch.Tensor:
     """One encoded value per row, as a jagged ``uint8`` tensor ``[n, j]`` for the put."""
     packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
     parts: list[bytes] = []
-    try:
-        for value in values:
-            parts.append(packer.pack(value))
-    except _ENCODE_ERRORS as exc:
-        raise _refused(name, len(parts), exc) from exc
-    joined = b"".join(parts)
-    if _has_bin(joined):  # a bytearray or memoryview packs as bin without asking: find them
-        for row, value in enumerate(values):
-            if _has_bin(parts[row]) and type(value) is not bytes and _has_buffers(value):
+    for row, value in enumerate(values):
+        try:
+            parts.append(_pack_value(packer, value))
+        except _ENCODE_ERRORS as exc:
+            raise _refused(name, row, exc) from exc
+    return _rows_tensor(parts)
+
+
+def encode_headed_rows(
+    heads: Sequence[bytes], columns: Mapping[str, Sequence[Any]]
+) -> torch.Tensor:
+    """Row ``i``: ``heads[i]`` (bytes already encoded) followed by the map ``{name: values[i]}``
+    of ``columns`` (nil when there are none), as a jagged ``uint8`` tensor ``[n, j]``; a value that
+    cannot be encoded raises ``SchemaError`` naming its column and row."""
+    packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
+    names = list(columns)
+    parts: list[bytes] = []
+    for row, head in enumerate(heads):
+        value = {k: columns[k][row] for k in names} if names else None
+        try:
+            parts.append(head + _pack_value(packer, value))
+        except _ENCODE_ERRORS as exc:
+            for name in names:  # which value it was
                 try:
-                    parts[row] = packer.pack(_with_bytearrays(value))
-                except _ENCODE_ERRORS as exc:
-                    raise _refused(name, row, exc) from exc
-        joined = b"".join(parts)
-    values_t = torch.frombuffer(bytearray(joined), dtype=torch.uint8)
-    offsets = torch.tensor([0, *itertools.accumulate(map(len, parts))], dtype=torch.int64)
-    return jagged(values_t, offsets)
+                    _pack_value(msgpack.Packer(default=_default, strict_types=True,
+                                               use_bin_type=True), columns[name][row])  # fmt: skip
+                except _ENCODE_ERRORS as one:
+                    raise _refused(name, row, one) from one
+            raise _refused(", ".join(names), row, exc) from exc
+    return _rows_tensor(parts)
 
 
 # --- decode --------------------------------------------------------------------------------------
@@ -288,6 +324,10 @@ def _ext(code: int, data: bytes) -> Any:
         return complex(real, imag)
     if code == _BYTEARRAY:
         return bytearray(data)
+    if code == _NP_STR:
+        return np.str_(data.decode("utf-8", "surrogatepass"))
+    if code == _NP_BYTES:
+        return np.bytes_(data)
     raise _bad(f"the unknown extension type {code}")
 
 
@@ -302,13 +342,49 @@ def unpack(data: Any, where: str) -> Any:
         raise MalformedMessageError(f"{where} cannot be decoded ({exc})", field=where) from exc
 
 
-def decode_rows(name: str, values: torch.Tensor, offsets: torch.Tensor) -> list[Any]:
-    """The values of :func:`encode_rows`' rows (``values[offsets[i]:offsets[i + 1]]``)."""
-    view = values.contiguous().numpy().data if values.numel() else memoryview(b"")
+def decode_rows(
+    name: str, values: torch.Tensor, offsets: torch.Tensor, *, per_row: Literal[1, 2] = 1
+) -> list[Any]:
+    """The values of :func:`encode_rows`' rows (``values[offsets[i]:offsets[i + 1]]``), or with
+    ``per_row=2`` each row's two values as a tuple (:func:`encode_headed_rows`: a bin head, a
+    map): one streaming unpacker over the rows, each row checked to end exactly where its values
+    do."""
+    bounds = offsets.tolist()
     out: list[Any] = []
+    if len(bounds) < 2:
+        return out
+    view = values.contiguous().numpy().data if values.numel() else memoryview(b"")
+    first = bounds[0]
+    data = view[first : bounds[-1]]
+    unpacker = msgpack.Unpacker(
+        ext_hook=_ext, raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1)
+    )
+    unpacker.feed(data)
     try:
-        for lo, hi in itertools.pairwise(offsets.tolist()):
-            out.append(_unpackb(view[lo:hi]))
+        for end in bounds[1:]:
+            if per_row == 1:
+                out.append(unpacker.unpack())
+            else:
+                out.append((unpacker.unpack(), unpacker.unpack()))
+            if unpacker.tell() != end - first:
+                raise ValueError(f"the row's values end at byte {unpacker.tell()} of {end - first}")
+    except _DECODE_ERRORS as exc:
+        raise MalformedMessageError(
+            f"field {name!r} row {len(out)} cannot be decoded ({exc})", field=name, row=len(out)
+        ) from exc
+    return out
+    view = values.contiguous().numpy().data if values.numel() else memoryview(b"")
+    first = bounds[0]
+    data = view[first : bounds[-1]]
+    unpacker = msgpack.Unpacker(
+        ext_hook=_ext, raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1)
+    )
+    unpacker.feed(data)
+    try:
+        for end in bounds[1:]:
+            out.append(unpacker.unpack())
+            if unpacker.tell() != end - first:
+                raise ValueError(f"the value ends at byte {unpacker.tell()} of {end - first}")
     except _DECODE_ERRORS as exc:
         raise MalformedMessageError(
             f"field {name!r} row {len(out)} cannot be decoded ({exc})", field=name, row=len(out)

@@ -16,9 +16,10 @@ import torch
 from tqstream.errors import InvalidRequestError, SchemaError
 
 __all__ = [
-    "attention_mask",
     "check_padding",
+    "keeps",
     "mask_lengths",
+    "offsets_of",
     "pad_rows",
     "strip",
 ]
@@ -28,8 +29,11 @@ def _first_bad_row(bad: torch.Tensor) -> int:
     return int(bad.nonzero()[0, 0])
 
 
-def mask_lengths(mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's prompt and response length (int64 ``[B]``) from a verl ``attention_mask``.
+def mask_lengths(
+    mask: torch.Tensor, prompt_width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's prompt and response length (int64 ``[B]``) from a verl ``attention_mask``, and
+    the positions they keep (:func:`keeps`).
 
     The prompt part must be left-padded (0s, then 1s) and the response part right-padded (1s,
     then 0s), with only 0 and 1 in it: verl builds it so, and anything else means the mask and
@@ -42,9 +46,9 @@ def mask_lengths(mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, t
         )
     prompt_len = mask[:, :prompt_width].sum(dim=1, dtype=torch.int64)
     response_len = mask[:, prompt_width:].sum(dim=1, dtype=torch.int64)
-    width = mask.shape[1] - prompt_width
-    if torch.equal(mask, attention_mask(prompt_len, response_len, prompt_width, width, mask.dtype)):
-        return prompt_len, response_len  # the common case: one comparison with what it must be
+    p_keep, r_keep = keeps(prompt_len, response_len, prompt_width, mask.shape[1] - prompt_width)
+    if torch.equal(mask, torch.cat([p_keep, r_keep], dim=1).to(mask.dtype)):
+        return prompt_len, response_len, p_keep, r_keep  # the common case: one comparison
     binary = (mask == 0) | (mask == 1)
     if not bool(binary.all()):
         row = _first_bad_row(~binary.all(dim=1))
@@ -103,16 +107,20 @@ def check_padding(name: str, t: torch.Tensor, keep: torch.Tensor, pad: float, wh
     )
 
 
-def strip(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The rows of ``t`` (``[B, W, ...]``) without the positions ``keep`` (``[B, W]``) drops, as a
-    jagged nested tensor over one gather for the batch."""
-    from tqstream.protocol.codec import jagged
-
-    values = t.masked_select(keep) if t.ndim == 2 else t[keep]
-    lengths = keep.sum(dim=1, dtype=torch.int64)
+def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    """Row offsets ``[B + 1]`` (int64) of rows of these lengths."""
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    return jagged(values, offsets)
+    return offsets
+
+
+def strip(t: torch.Tensor, keep: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The rows of ``t`` (``[B, W, ...]``) without the positions ``keep`` (``[B, W]``) drops, as a
+    jagged nested tensor over one gather for the batch; ``offsets``: of the rows ``keep`` leaves
+    (:func:`offsets_of` its row sums)."""
+    from tqstream.protocol.codec import jagged
+
+    return jagged(t.masked_select(keep) if t.ndim == 2 else t[keep], offsets)
 
 
 def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -121,31 +129,39 @@ def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def pad_rows(
-    values: torch.Tensor, offsets: torch.Tensor, width: int, pad: float, *, left: bool
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    width: int,
+    pad: float,
+    *,
+    left: bool,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, width, ...]`` from ragged rows (row ``i`` is ``values[offsets[i]:offsets[i+1]]``),
     filled with ``pad``, rows aligned right (``left=True``: left padding) or left. One masked
-    scatter (it fills the kept positions in row-major order, which is the rows' order)."""
+    scatter (it fills the kept positions in row-major order, which is the rows' order); ``keep``:
+    those positions (``[B, width]`` bool) when the caller has them already."""
     offsets = offsets.to(torch.int64)
     lo, hi = int(offsets[0]), int(offsets[-1])
-    lengths = offsets[1:] - offsets[:-1]
-    out = torch.full((lengths.numel(), width, *values.shape[1:]), pad, dtype=values.dtype)
+    n = offsets.numel() - 1
+    out = torch.full((n, width, *values.shape[1:]), pad, dtype=values.dtype)
     if hi > lo:
-        cols = torch.arange(width)[None, :]
-        keep = cols >= (width - lengths)[:, None] if left else cols < lengths[:, None]
+        if keep is None:
+            lengths = offsets[1:] - offsets[:-1]
+            cols = torch.arange(width)[None, :]
+            keep = cols >= (width - lengths)[:, None] if left else cols < lengths[:, None]
         out.masked_scatter_(_expand(keep, out), values[lo:hi])
     return out
 
 
-def attention_mask(
+def keeps(
     prompt_lengths: torch.Tensor,
     response_lengths: torch.Tensor,
     prompt_width: int,
     response_width: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """verl's ``attention_mask`` for rows of these lengths: 1s at the right of the prompt part and
-    at the left of the response part."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real tokens of rows of these lengths (bool ``[B, P]`` and ``[B, R]``): at the right of
+    the prompt part, at the left of the response part."""
     prompt = torch.arange(prompt_width)[None, :] >= (prompt_width - prompt_lengths)[:, None]
     response = torch.arange(response_width)[None, :] < response_lengths[:, None]
-    return torch.cat([prompt, response], dim=1).to(dtype)
+    return prompt, response

@@ -29,7 +29,7 @@ from tqstream.adapters.verl.layout import (
 )
 from tqstream.adapters.verl.objects import decode_rows
 from tqstream.client.client import Batch
-from tqstream.errors import InvalidRequestError, SchemaError
+from tqstream.errors import InvalidRequestError, MalformedMessageError, SchemaError
 from tqstream.protocol.codec import jagged, torch_dtype
 
 __all__ = ["rows_to_dataproto"]
@@ -54,7 +54,8 @@ def rows_to_dataproto(
     keys = list(td.keys())
     if LAYOUT_FIELD not in keys:
         return _foreign(td, keys, prompt_length, response_length, pad_token_id)
-    merged = merge_layouts(decode_layouts(_rows(td, keys, LAYOUT_FIELD)))
+    heads, objects = _layout_rows(td, keys)
+    merged = merge_layouts(decode_layouts(heads))
     n = len(merged.rows)
     if n != int(td.batch_size[0]) and len(keys) > 1 + (f"{LAYOUT_FIELD}_lengths" in keys):
         raise SchemaError(  # such rows hold only the layout, so no other field can be read
@@ -66,13 +67,13 @@ def rows_to_dataproto(
     tensors: dict[str, Any] = {}
     ragged = {LAYOUT_FIELD, *merged.nested}
     widths: tuple[int, int | None] = (0, None)
+    r_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # responses' offsets and keep
     if ro is not None:
         ragged.update(("prompts", "responses", *ro.response))
-        widths = _rollout(td, keys, ro, tensors, prompt_length, response_length, pad_token_id)
+        widths, r_rows = _rollout(
+            td, keys, ro, tensors, prompt_length, response_length, pad_token_id
+        )
     non_tensor: dict[str, np.ndarray] | None = None if merged.non_tensor is None else {}
-    for key, (dtype, _) in (merged.non_tensor or {}).items():
-        if not stored_dense(dtype):
-            ragged.add(key)
     for key in keys:
         if (
             key in tensors
@@ -82,13 +83,20 @@ def rows_to_dataproto(
             continue
         if merged.non_tensor is not None and key in merged.non_tensor:
             assert non_tensor is not None
-            non_tensor[key] = _array(td, keys, key, *merged.non_tensor[key])
+            dtype, trailing = merged.non_tensor[key]
+            if stored_dense(dtype):
+                non_tensor[key] = td.get(key).numpy().astype(dtype, copy=True)
+            else:  # the key's field is a marker; its values came with the layout
+                non_tensor[key] = _array(key, _object_values(key, objects, merged.rows), dtype,
+                                         trailing)  # fmt: skip
         elif ro is not None and key in ro.response:
             values, offsets = _ragged(td, keys, key)
             width = widths[1]
             if width is None:  # responses not read: the field's own width
                 width = _width("response_length", response_length, ro.response_length, offsets)
-            tensors[key] = padding.pad_rows(values, offsets, width, 0, left=False)
+            # the rows of a response-aligned field are the responses' (one put wrote both)
+            keep = r_rows[1] if r_rows is not None and torch.equal(offsets, r_rows[0]) else None
+            tensors[key] = padding.pad_rows(values, offsets, width, 0, left=False, keep=keep)
         elif key in merged.nested:
             value = td.get(key)
             tensors[key] = value if value.is_nested else jagged(*_ragged(td, keys, key))
@@ -140,21 +148,34 @@ def _no_rows(merged: Merged) -> Any:
     return _dataproto(merged, 0, tensors, non_tensor, merge_meta_info(merged.meta_infos))
 
 
-def _rows(td: Any, keys: list[str], name: str) -> list[memoryview]:
-    """Each row's bytes of a ragged ``uint8`` field."""
-    values, offsets = _ragged(td, keys, name)
-    view = values.contiguous().numpy().data if values.numel() else memoryview(b"")
-    bounds = offsets.tolist()
-    return [view[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+def _layout_rows(td: Any, keys: list[str]) -> tuple[list[Any], list[Any]]:
+    """Each row's head (its layout's bytes) and map of object values (:mod:`.layout`)."""
+    try:
+        pairs = decode_rows(LAYOUT_FIELD, *_ragged(td, keys, LAYOUT_FIELD), per_row=2)
+    except MalformedMessageError as exc:
+        raise SchemaError(
+            f"field {LAYOUT_FIELD!r} does not hold verl row layouts ({exc.message}); rows read "
+            f"with rows_to_dataproto must have been put from a DataProto (dataproto_to_rows)"
+        ) from exc
+    return [h for h, _ in pairs], [o for _, o in pairs]
+
+
+def _object_values(key: str, objects: list[Any], rows: list[int]) -> list[Any]:
+    """The object values of ``key`` of the rows holding data, from their maps."""
+    try:
+        return [objects[i][key] for i in rows]
+    except (KeyError, TypeError) as exc:
+        raise SchemaError(
+            f"non_tensor_batch[{key!r}]: a row read has no value for it ({exc!r}); the rows read "
+            f"come from DataProtos with different non_tensor_batch keys: read them separately",
+            field=key,
+        ) from exc
 
 
 def _array(
-    td: Any, keys: list[str], key: str, dtype: np.dtype[Any], trailing: tuple[int, ...]
+    key: str, values: list[Any], dtype: np.dtype[Any], trailing: tuple[int, ...]
 ) -> np.ndarray:
-    """A ``non_tensor_batch`` array of its put's dtype and shape."""
-    if stored_dense(dtype):
-        return td.get(key).numpy().astype(dtype, copy=True)
-    values = decode_rows(key, *_ragged(td, keys, key))
+    """A ``non_tensor_batch`` array of its put's dtype and shape, from its decoded values."""
     n = len(values)
     try:
         if dtype.kind in "US":
@@ -201,21 +222,25 @@ def _rollout(
     prompt_length: int | None,
     response_length: int | None,
     pad_token_id: int | None,
-) -> tuple[int, int | None]:
+) -> tuple[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor] | None]:
     """Re-pad ``prompts`` and ``responses`` and rebuild the derived tensors into ``tensors``
-    (when both were read); the widths used (None: not read)."""
+    (when both were read); the widths used (None: not read) and the responses' offsets and kept
+    positions (for the response-aligned fields)."""
     if "prompts" not in keys or "responses" not in keys:
-        return 0, None
+        return (0, None), None
     prompts = _ragged(td, keys, "prompts")
     responses = _ragged(td, keys, "responses")
     p_width = _width("prompt_length", prompt_length, ro.prompt_length, prompts[1])
     r_width = _width("response_length", response_length, ro.response_length, responses[1])
     pad = pad_token_id if pad_token_id is not None else ro.pad_token_id or 0
-    tensors["prompts"] = padding.pad_rows(*prompts, p_width, pad, left=True)
-    tensors["responses"] = padding.pad_rows(*responses, r_width, pad, left=False)
+    p_offsets, r_offsets = prompts[1].to(torch.int64), responses[1].to(torch.int64)
+    p_len, r_len = p_offsets[1:] - p_offsets[:-1], r_offsets[1:] - r_offsets[:-1]
+    p_keep, r_keep = padding.keeps(p_len, r_len, p_width, r_width)
+    tensors["prompts"] = padding.pad_rows(*prompts, p_width, pad, left=True, keep=p_keep)
+    tensors["responses"] = padding.pad_rows(*responses, r_width, pad, left=False, keep=r_keep)
     dtypes = {k: torch_dtype(v) for k, v in ro.derived.items()}
-    tensors.update(_derived(dtypes, prompts[1], responses[1], tensors, p_width, r_width))
-    return p_width, r_width
+    tensors.update(_derived(dtypes, p_keep, r_keep, tensors))
+    return (p_width, r_width), (r_offsets, r_keep)
 
 
 def _width(name: str, asked: int | None, stored: int, offsets: torch.Tensor) -> int:
@@ -234,17 +259,13 @@ def _width(name: str, asked: int | None, stored: int, offsets: torch.Tensor) -> 
 
 def _derived(
     dtypes: dict[str, torch.dtype],
-    p_offsets: torch.Tensor,
-    r_offsets: torch.Tensor,
+    p_keep: torch.Tensor,
+    r_keep: torch.Tensor,
     tensors: dict[str, torch.Tensor],
-    p_width: int,
-    r_width: int,
 ) -> dict[str, torch.Tensor]:
     from verl.utils.model import compute_position_id_with_mask
 
-    p_len = (p_offsets[1:] - p_offsets[:-1]).to(torch.int64)
-    r_len = (r_offsets[1:] - r_offsets[:-1]).to(torch.int64)
-    mask = padding.attention_mask(p_len, r_len, p_width, r_width, torch.int64)
+    mask = torch.cat([p_keep, r_keep], dim=1).to(torch.int64)
     out = {"attention_mask": mask.to(dtypes.get("attention_mask", torch.int64))}
     if "input_ids" in dtypes:
         ids = torch.cat([tensors["prompts"], tensors["responses"]], dim=1)
@@ -278,7 +299,7 @@ def _foreign(
                 f"batch has {sorted(keys)})"
             )
     tensors: dict[str, Any] = {}
-    widths = _rollout(td, keys, _FOREIGN, tensors, prompt_length, response_length, pad_token_id)
+    widths, _ = _rollout(td, keys, _FOREIGN, tensors, prompt_length, response_length, pad_token_id)
     ragged = {k for k in keys if isinstance(td.get(k), torch.Tensor) and td.get(k).is_nested}
     ragged.update(k[:-8] for k in keys if k.endswith("_lengths") and k[:-8] in keys)
     non_tensor: dict[str, np.ndarray] = {}
