@@ -255,6 +255,22 @@ def test_rows_are_unpadded_and_uid_is_the_group(client: tqstream.Client, partiti
     assert not {"input_ids", "attention_mask", "position_ids"} & set(schemas)
 
 
+def test_a_read_naming_some_object_keys_gets_those(client: tqstream.Client, partition: str) -> None:
+    """Object values travel together in the layout field, but the DataProto read back holds the
+    keys named, and a read naming a key waits for rows that have it."""
+    extra = {"uid": uids(2), "prompt": objects(["a", {"b": (1,)}]), "n": np.arange(2)}
+    dp = make_dataproto([[5, 6], [7]], [[10], [11, 12]], non_tensor=extra)
+    exp = VerlExperience(client, partition=partition, fields=["responses", "prompt", "n"])
+    exp.put_experience(dp, current_version=0)
+    batch = exp.get_experience(2, current_version=0, timeout=10)
+    assert list(batch.data.non_tensor_batch) == ["prompt", "n"]
+    assert batch.data.non_tensor_batch["prompt"][1] == {"b": (1,)}
+    batch.ack()
+    waiting = VerlExperience(client, partition=partition, fields=["responses", "absent"])
+    with pytest.raises(tqstream.RequestTimeoutError):
+        waiting.get_experience(2, current_version=0, task="other", timeout=0.2)
+
+
 def test_re_pads_to_the_requested_widths(client: tqstream.Client, partition: str) -> None:
     """Rows put at one width read back as verl pads them at another (e.g. a trainer's
     rollout.prompt_length), mask and positions rebuilt."""
