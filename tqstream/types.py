@@ -168,6 +168,7 @@ class Stats(msgspec.Struct, frozen=True):
     partitions: dict[str, PartitionStats]
     units: list[UnitStats]
     admissions: dict[str, dict[str, int | float | str]] = {}
+    uptime: float = 0.0  # seconds since the controller started serving
 
     @property
     def storage_bytes(self) -> int:

@@ -54,6 +54,36 @@ def test_empty_put(client: Client, partition: str) -> None:
         client.put({}, partition)
 
 
+@pytest.mark.parametrize("bad", [-5, float("nan"), 1.0, True, "3"])
+def test_a_version_that_is_not_a_policy_version_is_refused(
+    client: Client, partition: str, bad: object
+) -> None:
+    message = (
+        "{name} must be a policy version: an int >= 0 (the trainer's weight version, bumped at "
+        f"each update), or None; got {bad!r}"
+    )
+    with pytest.raises(tqstream.InvalidRequestError) as err:
+        client.put({"x": torch.zeros(2)}, partition, version=bad)  # type: ignore[arg-type]
+    assert str(err.value) == message.format(name="version")
+    with pytest.raises(tqstream.InvalidRequestError) as err:
+        client.put({"x": torch.zeros(2)}, partition, version=1, dispatch_version=[0, bad])  # type: ignore[list-item]
+    assert str(err.value) == message.format(name="dispatch_version")
+    with pytest.raises(tqstream.InvalidRequestError) as err:
+        client.get(partition, "x", 1, "t", current_version=bad, max_staleness=1, timeout=0)  # type: ignore[arg-type]
+    assert str(err.value) == message.format(name="current_version")
+    with pytest.raises(tqstream.UnknownPartitionError):
+        client.stats(partition)  # nothing was stored
+
+
+def test_sets_are_refused_not_turned_into_lists(client: Client, partition: str) -> None:
+    with pytest.raises(
+        tqstream.SchemaError, match=r"row 1 \(frozenset\) is not JSON-serial.*no sets"
+    ):
+        client.put({"s": [[1], frozenset({2})]}, partition)
+    with pytest.raises(tqstream.UnknownPartitionError):
+        client.stats(partition)
+
+
 def test_duplicate_keys_within_put(client: Client, partition: str) -> None:
     with pytest.raises(tqstream.DuplicateKeyError, match="repeat within the put: 'k'"):
         client.put({"x": torch.zeros(2)}, partition, keys=["k", "k"])

@@ -100,6 +100,39 @@ def test_launch_serves_and_shuts_down_cleanly(sig: signal.Signals) -> None:
             proc.wait()
 
 
+def test_a_planned_stop_is_logged_as_a_shutdown_not_a_loss() -> None:
+    proc, address = _launch("--storage-units", "2")
+    try:
+        with tqstream.connect(address) as client:
+            client.put({"x": torch.arange(64)}, "p")  # rows on both units
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        err = proc.stderr.read()  # type: ignore[union-attr]
+        assert "is lost" not in err and "WARNING" not in err, err
+        stopped = re.findall(r"storage unit (\d) at \S+ stopped \(it was shut down\)", err)
+        assert sorted(stopped) == ["0", "1"], err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_connecting_to_a_storage_unit_names_the_controller() -> None:
+    proc, address = _launch("--storage-units", "1")
+    try:
+        with tqstream.connect(address) as client:
+            unit = client.stats().units[0].address
+        with pytest.raises(tqstream.ConnectError) as info:
+            tqstream.connect(unit)
+        assert str(info.value).startswith(
+            f"{unit} is a storage unit of the cluster at {address}, not a controller; connect to "
+            f"the controller's address"
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_children_exit_when_launcher_is_killed() -> None:
     proc, _ = _launch("--storage-units", "1")
     children = _children(proc.pid)

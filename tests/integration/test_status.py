@@ -72,7 +72,9 @@ def test_json_once_is_the_stats_with_rates(cluster: tuple[ProcessCluster, tqstre
     snap = json.loads(out.stdout)
     assert snap["address"] == pc.address and before < snap["time"] <= time.time()
     # the Stats fields sit at the top level: the object decodes as the Stats it was made from
-    assert msgspec.json.decode(out.stdout, type=Stats) == client.stats()
+    decoded, now = msgspec.json.decode(out.stdout, type=Stats), client.stats()
+    assert 0 < decoded.uptime <= now.uptime  # the cluster's, not the command's
+    assert msgspec.structs.replace(decoded, uptime=now.uptime) == now
     part = snap["partitions"][PART]
     actor = part["tasks"]["actor"]  # the 4 rows both tasks acked are freed and leave "acked"
     assert (actor["available"], actor["leased"], actor["acked"], part["freed"]) == (12, 4, 4, 4)
@@ -82,6 +84,29 @@ def test_json_once_is_the_stats_with_rates(cluster: tuple[ProcessCluster, tqstre
     assert 0.25 < rates["seconds"] < 5
     assert rates["partitions"][PART]["put_rows_per_s"] == 0.0  # nothing put in between
     assert rates["partitions"][PART]["tasks"]["critic"]["consume_rows_per_s"] == 0.0
+
+
+def test_status_does_not_load_torch(cluster: tuple[ProcessCluster, tqstream.Client]) -> None:
+    """A status command talks to the controller only: the data client (torch, tensordict) stays
+    unloaded, so it answers in a fraction of a second instead of several."""
+    pc, _ = cluster
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", *STATUS[1:], pc.address, "--once", "--interval", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert not {"torch", "tensordict", "numpy"} & loaded
+    assert "cluster up 0:0" in out.stdout
+
+
+def test_a_storage_unit_address_is_refused(
+    cluster: tuple[ProcessCluster, tqstream.Client],
+) -> None:
+    pc, _ = cluster
+    out = _status(pc.unit_addresses[0], "--once", "--interval", "0")
+    assert out.returncode == 1
+    assert f"is a storage unit of the cluster at {pc.address}, not a controller" in out.stderr
 
 
 def test_json_lines_follow_a_producer(cluster: tuple[ProcessCluster, tqstream.Client]) -> None:

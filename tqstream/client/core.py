@@ -45,7 +45,7 @@ from tqstream.errors import (
 from tqstream.protocol import shm
 from tqstream.protocol.auth import Keys, load_keys
 from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
-from tqstream.protocol.connection import Connection
+from tqstream.protocol.connection import Connection, not_a_controller
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
     AbortPut,
@@ -195,6 +195,9 @@ class ClientCore:
         own = context() if ctx is None else None
         try:
             conn = await cls._connect(own or ctx, address, config, keys, session)  # type: ignore[arg-type]
+            if conn.welcome.server != "controller":
+                conn.close()
+                raise not_a_controller(address, conn.welcome)
         except BaseException:
             if own is not None:
                 own.destroy(linger=0)

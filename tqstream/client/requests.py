@@ -15,7 +15,7 @@ from tensordict import TensorDict
 
 from tqstream.client.batch import Window
 from tqstream.client.core import GET_GRACE
-from tqstream.client.versions import row_versions
+from tqstream.client.versions import check_version, row_versions
 from tqstream.errors import BatchShapeError, InvalidRequestError, TagError
 from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
 from tqstream.protocol.messages import (
@@ -131,11 +131,12 @@ def encode_put(
         keys = list(keys)
     if groups is not None:
         groups = [None if g is None else str(g) for g in groups]
+    version = check_version(version, "version")
     dispatch: list[int | None] | None = None
-    if isinstance(dispatch_version, int):
-        dispatch = [dispatch_version] * n
+    if isinstance(dispatch_version, (int, np.integer)):
+        dispatch = [check_version(dispatch_version, "dispatch_version")] * n
     elif dispatch_version is not None:
-        dispatch = list(dispatch_version)
+        dispatch = [check_version(v, "dispatch_version") for v in dispatch_version]
         if len(dispatch) != n:
             raise BatchShapeError(
                 f"dispatch_version= has {len(dispatch)} entries but the data has {n} rows",
@@ -291,6 +292,7 @@ def get_request(
 ) -> GetMeta:
     if isinstance(fields, str):
         fields = [fields]
+    check_version(window.current_version, "current_version")
     return GetMeta(
         rid=0,
         partition=partition,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -75,6 +76,7 @@ from tqstream.protocol.messages import (
     StoredReply,
     StoredResults,
     UnitStatsReply,
+    UnitStopping,
     UpsertRows,
 )
 from tqstream.protocol.server import Responder, Server
@@ -169,6 +171,8 @@ class ControllerService:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopping: set[int] = set()  # units that said they were told to stop
+        self._started = time.monotonic()
         self.drop_failures = 0
         self.checkpoints = Checkpoints(self)
 
@@ -305,6 +309,9 @@ class ControllerService:
                     return self._stats(msg.rid, msg.partition)
                 case RegisterUnit():
                     return self._register(msg.rid, msg.address, msg.max_bytes, msg.inproc)
+                case UnitStopping():
+                    self._stopping.add(msg.unit)
+                    return Ok(rid=msg.rid, count=1)
                 case SaveCheckpoint():
                     return self.checkpoints.save(msg)
                 case LoadCheckpoint():
@@ -400,11 +407,20 @@ class ControllerService:
         before = self._lost_rows()
         self._event(lambda now: self.state.lose_unit(unit, now))
         lost = self._lost_rows() - before
+        address = self.state.units.addresses[unit]
+        if unit in self._stopping:  # it said it was told to stop: a shutdown, not a fault
+            self._stopping.discard(unit)
+            _log.info(
+                "storage unit %d at %s stopped (it was shut down); %d rows only it held went "
+                "with it (counted as lost in stats)",
+                unit, address, lost,
+            )  # fmt: skip
+            return
         _log.log(
             logging.WARNING if lost else logging.INFO,
             "storage unit %d at %s is lost (its connection dropped); %d rows had no other copy "
             "and are counted lost; new rows go to the other units",
-            unit, self.state.units.addresses[unit], lost,
+            unit, address, lost,
         )  # fmt: skip
 
     def _unit_up(self, unit: int) -> None:
@@ -489,5 +505,8 @@ class ControllerService:
                 )  # fmt: skip
 
         units = await asyncio.gather(*(one(i, c) for i, c in enumerate(self.units)))
-        stats = Stats(partitions=parts, units=list(units), admissions=self.state.admission_stats())
+        stats = Stats(
+            partitions=parts, units=list(units), admissions=self.state.admission_stats(),
+            uptime=time.monotonic() - self._started,
+        )  # fmt: skip
         return StatsReply(rid=rid, stats=stats)

@@ -51,12 +51,13 @@ class Snapshot(msgspec.Struct, frozen=True):
     partitions: dict[str, PartitionStats]
     units: list[UnitStats]
     admissions: dict[str, dict[str, int | float | str]]
+    uptime: float
     rates: Rates
 
     @classmethod
     def of(cls, address: str, sample: Sample, rates: Rates) -> Snapshot:
         s = sample.stats
-        return cls(address, sample.time, s.partitions, s.units, s.admissions, rates)
+        return cls(address, sample.time, s.partitions, s.units, s.admissions, s.uptime, rates)
 
 
 def consumed(p: PartitionStats, task: str, t: TaskStats) -> int:

@@ -15,6 +15,7 @@ shows why before it stops); 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import sys
@@ -25,8 +26,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from tqstream.config import ClientConfig, from_env
-from tqstream.errors import TQStreamError
+from tqstream.errors import InternalError, TQStreamError
 from tqstream.observe.sample import Rates, Sample, Snapshot, rates
+from tqstream.protocol.auth import load_keys
+from tqstream.protocol.connection import Connection, not_a_controller
+from tqstream.protocol.messages import GetStats, StatsReply
 from tqstream.types import Stats
 
 if TYPE_CHECKING:
@@ -71,13 +75,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _run(args: argparse.Namespace, address: str) -> int:
-    from tqstream.client.client import connect  # torch and ZMQ: only once the arguments are good
-
     try:
         config = dataclasses.replace(
             from_env(ClientConfig, keys=args.keys), connect_timeout=args.connect_timeout
         )
-        client = connect(address, config)
+        client = StatsClient(address, config)
     except (TQStreamError, ValueError) as exc:
         return _fail(f"cannot connect to the controller at {address}: {exc}")
     try:
@@ -91,6 +93,51 @@ def _run(args: argparse.Namespace, address: str) -> int:
         return _fail(_stopped(address, exc))
     finally:
         client.close()
+
+
+class StatsClient:
+    """The controller's ``stats`` over one connection of its own, driven on this thread: what a
+    status view needs, without the data client (which imports torch: seconds of start-up)."""
+
+    def __init__(self, address: str, config: ClientConfig) -> None:
+        import zmq
+
+        self._timeout = config.connect_timeout
+        self._loop = asyncio.new_event_loop()
+        self._ctx = zmq.Context()
+        try:
+            keys = load_keys(config.keys) if config.keys else None
+            self._conn = self._loop.run_until_complete(
+                Connection.open(
+                    self._ctx,
+                    address,
+                    connect_timeout=config.connect_timeout,
+                    heartbeat_interval=config.heartbeat_interval,
+                    max_message_bytes=config.max_message_bytes,
+                    keys=keys,
+                )
+            )
+            if self._conn.welcome.server != "controller":
+                self._conn.close()
+                raise not_a_controller(address, self._conn.welcome)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            self._loop.close()
+            raise
+
+    def stats(self) -> Stats:
+        request = GetStats(rid=0, partition=None)
+        reply, _ = self._loop.run_until_complete(
+            self._conn.request(request, timeout=self._timeout + 30.0)  # units answer within 30 s
+        )
+        if not isinstance(reply, StatsReply):
+            raise InternalError(f"the controller answered stats with {type(reply).__name__}")
+        return reply.stats
+
+    def close(self) -> None:
+        self._conn.close()
+        self._ctx.destroy(linger=0)
+        self._loop.close()
 
 
 def _stopped(address: str, exc: TQStreamError) -> str:
@@ -152,10 +199,8 @@ def _console() -> Console:
 def _print_once(address: str, samples: Iterator[tuple[Sample, Rates]], interval: float) -> int:
     from tqstream.observe.view import render
 
-    start = time.monotonic()
     sample, r = _once(samples, interval)
-    uptime = time.monotonic() - start
-    _console().print(render(address, sample, r, uptime=uptime, interval=interval))
+    _console().print(render(address, sample, r, interval=interval))
     return 0
 
 
@@ -169,23 +214,20 @@ def _live(address: str, samples: Iterator[tuple[Sample, Rates]], interval: float
     from tqstream.observe.view import render
 
     console = _console()
-    start = time.monotonic()
     last: tuple[Sample | None, Rates | None] = (None, None)
     lost: TQStreamError | None = None
-    screen = render(address, None, None, uptime=0.0, interval=interval)
+    screen = render(address, None, None, interval=interval)
     with Live(screen, console=console, auto_refresh=False, screen=True) as live:
         try:
             for last in samples:
-                uptime = time.monotonic() - start
-                live.update(render(address, *last, uptime=uptime, interval=interval), refresh=True)
+                live.update(render(address, *last, interval=interval), refresh=True)
         except TQStreamError as exc:
             lost = exc
             error = _stopped(address, exc)
             if last[0] is not None:
                 at = time.strftime("%H:%M:%S", time.localtime(last[0].time))
                 error += f"; its last sample, of {at}:"
-            uptime = time.monotonic() - start
-            screen = render(address, *last, uptime=uptime, interval=interval, error=error)
+            screen = render(address, *last, interval=interval, error=error)
             live.update(screen)  # what Live prints at its end when it has no terminal
     if lost is None:  # the samples ran out (they do not: only an error or Ctrl-C ends them)
         return 0

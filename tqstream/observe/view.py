@@ -25,13 +25,12 @@ def render(
     sample: Sample | None,
     rates: Rates | None,
     *,
-    uptime: float,
     interval: float,
     error: str | None = None,
 ) -> Group:
     """The whole screen. ``sample`` None: nothing arrived yet; ``error``: why watching stopped
     (shown above the last sample, which stays on screen)."""
-    parts: list[RenderableType] = [_header(address, sample, uptime, interval)]
+    parts: list[RenderableType] = [_header(address, sample, interval)]
     if error is not None:
         parts.append(Text(error, style="bold red"))
     if sample is not None:
@@ -45,19 +44,21 @@ def render(
     return Group(*parts)
 
 
-def _header(address: str, sample: Sample | None, uptime: float, interval: float) -> Text:
-    up = str(datetime.timedelta(seconds=int(uptime)))
+def _header(address: str, sample: Sample | None, interval: float) -> Text:
+    """The address, the sample's time, the cluster's uptime (its controller's) and totals."""
     text = Text.assemble(("tqstream status ", "bold"), (address, "cyan"))
     if sample is not None:
         at = datetime.datetime.fromtimestamp(sample.time).strftime("%Y-%m-%d %H:%M:%S")
         s = sample.stats
+        up = str(datetime.timedelta(seconds=int(s.uptime)))
         alive = sum(u.alive for u in s.units)
         text.append(
-            f"  {at}  up {up}  every {interval:g}s  |  {_plural(len(s.partitions), 'partition')}, "
+            f"  {at}  cluster up {up}  every {interval:g}s  |  "
+            f"{_plural(len(s.partitions), 'partition')}, "
             f"{alive}/{len(s.units)} storage units alive, {_size(s.storage_bytes)}"
         )
     else:
-        text.append(f"  up {up}  every {interval:g}s  |  waiting for the first sample")
+        text.append(f"  every {interval:g}s  |  waiting for the first sample")
     return text
 
 

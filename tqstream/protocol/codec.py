@@ -396,6 +396,8 @@ def _object_column(name: str, values: Sequence[Any]) -> Column:
         try:
             if isinstance(v, (bytes, bytearray)):  # JSON would silently turn them into base64 str
                 raise TypeError("a bytes row among other values; make every row bytes")
+            if isinstance(v, (set, frozenset)):  # JSON would silently turn it into a list
+                raise TypeError("JSON has no sets, it would come back a list; pass sorted(row)")
             encoded.append(msgspec.json.encode(v))
         except (TypeError, ValueError, msgspec.EncodeError) as exc:
             msg = _NOT_JSON.format(i=i, type=type(v).__name__, exc=exc)

@@ -60,7 +60,7 @@ from tqstream.protocol.transport import (
     error_from_reply,
 )
 
-__all__ = ["Connection"]
+__all__ = ["Connection", "not_a_controller"]
 
 
 class Connection:
@@ -486,3 +486,21 @@ _DOWN = (
     "to answer {what}; the server may have died: retry once it is back (the connection reconnects "
     "by itself)"
 )
+
+
+def not_a_controller(address: str, welcome: Welcome) -> ConnectError:
+    """What connecting a client to a server that is not a controller raises."""
+    if welcome.server == "storage":
+        where = f"of the cluster at {welcome.controller}" if welcome.controller else "(embedded)"
+        return ConnectError(
+            f"{address} is a storage unit {where}, not a controller; connect to the controller's "
+            f"address (the one tqstream-launch prints as 'tqstream ready at ...'; clients find "
+            f"the units through it)",
+            address=address,
+            controller=welcome.controller,
+        )
+    return ConnectError(
+        f"{address} is a tqstream {welcome.server!r} server, not a controller; connect to the "
+        f"controller's address",
+        address=address,
+    )

@@ -126,6 +126,7 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     shm: str = ""  # a storage unit's shared-memory token; "" when it has none
     inproc_units: list[str] = []  # units' inproc:// addresses (embedded), "" where none
     cluster: str = ""  # the controller's token for this run of the cluster ("" from a unit)
+    controller: str = ""  # a storage unit's controller address ("" from the controller)
 
 
 # --- controller requests ---
@@ -133,6 +134,13 @@ class RegisterUnit(_Msg, frozen=True, tag="register_unit"):
     address: str
     max_bytes: Bytes = 0  # the unit's byte quota; 0: unlimited
     inproc: str = ""  # the unit's inproc:// address when it runs embedded
+
+
+class UnitStopping(_Msg, frozen=True, tag="unit_stopping"):
+    """From a storage unit told to stop (SIGTERM, ``close``): its connection will drop on purpose,
+    which the controller then reports as a shutdown, not as a loss."""
+
+    unit: Id
 
 
 class CreatePartition(_Msg, frozen=True, tag="create_partition"):
@@ -453,6 +461,7 @@ class LoadUnit(_Msg, frozen=True, tag="load_unit"):
 Request = (
     Hello
     | RegisterUnit
+    | UnitStopping
     | CreatePartition
     | PreparePut
     | PrepareFields

@@ -109,6 +109,7 @@ class Server:
         on_disconnect: Callable[[bytes], None] | None = None,
         keys: Keys | None = None,
         cluster: str = "",
+        controller: str = "",
     ) -> None:
         """``inproc``: also bind an ``inproc://`` endpoint (``inproc_address``) for clients in this
         process that share ``ctx``; they skip TCP and libzmq's I/O thread. ``on_disconnect(peer)``
@@ -122,6 +123,7 @@ class Server:
         self._inproc_units = inproc_units
         self._shm = shm
         self._cluster = cluster  # told to every client at the handshake (see Welcome.cluster)
+        self._controller = controller  # a unit's controller, told likewise (Welcome.controller)
         self.inproc_address = ""
         self._closed = False
         self._failure: BaseException | None = None
@@ -334,6 +336,7 @@ class Server:
             shm=self._shm,
             inproc_units=list(self._inproc_units()),
             cluster=self._cluster,
+            controller=self._controller,
         )
 
     def _deliver(self, responder: Responder, result: HandlerResult) -> None:

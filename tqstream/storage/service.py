@@ -29,6 +29,7 @@ maps it) or unlinked; every name the unit owns is unlinked at close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
@@ -41,6 +42,7 @@ from tqstream.errors import (
     InternalError,
     InvalidRequestError,
     MalformedMessageError,
+    TQStreamError,
     UnknownRowError,
 )
 from tqstream.protocol import shm
@@ -70,6 +72,7 @@ from tqstream.protocol.messages import (
     StoredReply,
     StoredResults,
     UnitStatsReply,
+    UnitStopping,
 )
 from tqstream.protocol.server import Responder, Server
 from tqstream.protocol.transport import error_from_reply, shared_context
@@ -129,6 +132,7 @@ class StorageService:
             shm=self.segments.token if self.segments else "",
             inproc=inproc,
             keys=self.keys,
+            controller=controller or "",
         )
         self.unit: int | None = None
         self._link: Connection | None = None  # to the controller, for stored puts
@@ -177,6 +181,11 @@ class StorageService:
         await self.server.serve()
 
     async def close(self) -> None:
+        """Stop serving; a registered unit first tells its controller it is stopping (so the
+        dropped connection reads as a shutdown there, not a loss), waiting for it briefly."""
+        if self._link is not None and self.unit is not None and not self._closed:
+            with contextlib.suppress(TQStreamError):
+                await self._link.request(UnitStopping(rid=0, unit=self.unit), timeout=1.0)
         self._closed = True
         await self.server.close()
         for task in list(self._tasks):
