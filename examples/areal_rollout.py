@@ -67,29 +67,23 @@ class CountingWorkflow(RolloutWorkflow):
         }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--steps", type=int, default=5, help="trainer steps (default 5)")
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per step (default 2)")
-    ap.add_argument("--group-size", type=int, default=4, help="samples per prompt (default 4)")
-    args = ap.parse_args()
-    random.seed(0)
-
+def run(steps: int = 5, prompts: int = 2, group_size: int = 4) -> str:
+    """The whole loop once; returns its summary (the last lines it prints)."""
     install()  # AReaL's WorkflowExecutor now builds tqstream's StalenessManager
     client = tqstream.default_client()  # the cluster the manager uses: embedded in this process
     engine = Engine()
     # AReaL's settings; consumer_batch_size counts episodes (prompts), as in AReaL
     config = InferenceEngineConfig(
-        consumer_batch_size=args.prompts, max_concurrent_rollouts=4, max_head_offpolicyness=1
+        consumer_batch_size=prompts, max_concurrent_rollouts=4, max_head_offpolicyness=1
     )
     experience = ArealExperience.from_config(client, config)  # window = max_head_offpolicyness
     executor = WorkflowExecutor(config, engine)  # unchanged AReaL
     executor.initialize(train_data_parallel_size=1)
     manager = executor.staleness_manager
-    grouped = GroupedRolloutWorkflow(CountingWorkflow(), args.group_size, logging.getLogger())
+    grouped = GroupedRolloutWorkflow(CountingWorkflow(), group_size, logging.getLogger())
     workflow = ExperienceWorkflow(grouped, experience)
-    prompts = [{"prompt": [k, k + 1], "answer": k + 4} for k in range(64)]
-    loader = StatefulDataLoader(prompts, batch_size=args.prompts, collate_fn=list)
+    data = [{"prompt": [k, k + 1], "answer": k + 4} for k in range(64)]
+    loader = StatefulDataLoader(data, batch_size=prompts, collate_fn=list)
 
     stop = threading.Event()
 
@@ -100,35 +94,54 @@ def main() -> None:
     producer = threading.Thread(target=produce, name="areal-producer")
     producer.start()
     try:
-        for step in range(args.steps):
+        for step in range(steps):
             version = engine.get_version()
             batch = experience.get_experience(
-                args.prompts * args.group_size, current_version=version, timeout=60
+                prompts * group_size, current_version=version, timeout=60
             )
-            data = concat_padded_tensors(list(batch))  # what AReaL's actor trains on
-            rewards = data["rewards"].view(len(batch), -1)
+            out = concat_padded_tensors(list(batch))  # what AReaL's actor trains on
+            rewards = out["rewards"].view(len(batch), -1)
             advantages = rewards - rewards.mean(dim=1, keepdim=True)  # GRPO, per group
             lags = sorted({version - v for v in batch.versions if v is not None})
             print(
                 f"step {step}: version {version}, {len(batch)} groups, {len(batch.meta)} samples "
-                f"of shape {list(data['input_ids'].shape)} {data['input_ids'].dtype}, lag {lags}, "
+                f"of shape {list(out['input_ids'].shape)} {out['input_ids'].dtype}, lag {lags}, "
                 f"mean reward {rewards.mean():.2f}, |advantage| {advantages.abs().mean():.2f}"
             )
             batch.ack()  # the actor was the only task: the rows are freed
-            engine.set_version(version + 1)  # the weight update publishes the next version
+            # the weight update, as AReaL's trainer does it: pause submissions, publish the next
+            # version, resume. resume() wakes AReaL's dispatcher, which waits for capacity without
+            # a timeout: a version set without it would leave a dispatcher that found no capacity
+            # asleep, though the new version gave it some
+            executor.pause()
+            engine.set_version(version + 1)
+            executor.resume()
     finally:
         stop.set()
         producer.join()  # its last prepare_batch completes: the new version gave it budget
         executor.destroy()
 
-    stats = client.stats("train").partitions["train"]
-    print(f"rollouts: {manager.get_stats()}")
-    print(
+    stats = client.stats(experience.partition).partitions[experience.partition]
+    summary = (
+        f"rollouts: {manager.get_stats()}\n"
         f"partition: produced {stats.produced}, freed {stats.freed}, stale_dropped "
         f"{stats.stale_dropped}, still stored {stats.rows}, lag at consumption "
         f"{stats.tasks['actor'].lag}"
     )
-    client.close()
+    client.clear_partition(experience.partition)
+    manager.close()
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=5, help="trainer steps (default 5)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per step (default 2)")
+    ap.add_argument("--group-size", type=int, default=4, help="samples per prompt (default 4)")
+    args = ap.parse_args()
+    random.seed(0)
+    print(run(args.steps, args.prompts, args.group_size))
+    tqstream.default_client().close()
 
 
 if __name__ == "__main__":
