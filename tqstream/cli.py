@@ -18,7 +18,10 @@ def _parser() -> argparse.ArgumentParser:
     from tqstream.observe import status
 
     p = argparse.ArgumentParser(
-        prog="tqstream", description="tqstream: the experience data plane for async RL."
+        prog="tqstream",
+        description="tqstream: the experience data plane for async RL.",
+        epilog="To start a cluster (a controller and storage units as processes), run "
+        "tqstream-launch (tqstream-launch --help).",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     s = sub.add_parser(

@@ -45,7 +45,10 @@ class StalenessPolicy:
     """A trainer at version ``v`` reads only rows with ``v - version <= max_staleness``.
 
     ``measure`` picks a row's version: "head" (its oldest generated token: AReaL's bound), "tail"
-    (its newest token) or "dispatch" (when generation was requested). ``on_stale``: "drop" evicts
+    (its newest token) or "dispatch" (when generation was requested); "token" reads a row while
+    any of its generated tokens is inside the window and masks the others (``fresh_mask``, see
+    ``Client.get``): a trajectory that spans a weight update keeps its fresh part. ``on_stale``:
+    "drop" evicts
     stale rows for every task (they can never be fresh again) and counts them; "keep" leaves them
     stored and every read steps over them again. Checked here, where a typo is made.
     """
@@ -60,9 +63,9 @@ class StalenessPolicy:
             raise InvalidRequestError(
                 f"StalenessPolicy.max_staleness must be an int >= 0 or None (no window), got {k!r}"
             )
-        if self.measure not in ("head", "tail", "dispatch"):
+        if self.measure not in ("head", "tail", "dispatch", "token"):
             raise InvalidRequestError(
-                f"StalenessPolicy.measure must be 'head', 'tail' or 'dispatch', got "
+                f"StalenessPolicy.measure must be 'head', 'tail', 'dispatch' or 'token', got "
                 f"{self.measure!r}"
             )
         if self.on_stale not in ("drop", "keep"):

@@ -82,6 +82,8 @@ class BatchMeta(msgspec.Struct, frozen=True):
     rejected: int = 0  # rows of this put refused (reject_mixed_versions)
     replicas: list[int] = []  # per row, the unit holding its second copy (-1: none); [] if none
     tags: list[Tags] = []  # per row, its tags; [] when no row of the batch has any
+    tokens_masked: int = 0  # a token-measure read: generated tokens outside its window
+    token_window: list[int] | None = None  # a token-measure read: [current_version, max_staleness]
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -134,6 +136,7 @@ class TaskStats(msgspec.Struct, frozen=True):
     lag: dict[int, int] = {}  # version lag at consumption (ack) -> rows
     lost: int = 0  # rows lost with a storage unit before this task acked them
     consumed: int = 0  # rows acked, ever (``acked`` counts only those still held)
+    tokens_masked: int = 0  # generated tokens of acked rows outside a token-measure window
 
 
 class PartitionStats(msgspec.Struct, frozen=True):

@@ -325,7 +325,7 @@ def test_trainer_waits_for_declared_fields_before_any_put(client: Client, partit
     ("kwargs", "message"),
     [
         ({"measure": "middle"},
-         "StalenessPolicy.measure must be 'head', 'tail' or 'dispatch', got 'middle'"),
+         "StalenessPolicy.measure must be 'head', 'tail', 'dispatch' or 'token', got 'middle'"),
         ({"on_stale": "evict"}, "StalenessPolicy.on_stale must be 'drop' or 'keep', got 'evict'"),
         ({"max_staleness": -1},
          "StalenessPolicy.max_staleness must be an int >= 0 or None (no window), got -1"),

@@ -176,7 +176,7 @@ def test_put_version_errors(
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"measure": "middle"}, "measure must be one of head, tail, dispatch, got 'middle'"),
+        ({"measure": "middle"}, "measure must be one of head, tail, dispatch, token, got 'middle'"),
         ({"on_stale": "evict"}, "on_stale must be 'keep' or 'drop', got 'evict'"),
         ({"current_version": 3, "max_staleness": -1}, "max_staleness must be >= 0, got -1"),
         (
@@ -243,6 +243,61 @@ def test_window_measures(client: Client, partition: str, measure: str, picked: l
     assert sorted(meta.row_ids) == picked
     with pytest.raises(tqstream.RequestTimeoutError):
         client.get_meta(partition, "x", 1, "t", timeout=0, **win)
+
+
+def test_token_measure_reads_rows_with_a_fresh_token_and_masks_the_rest(
+    client: Client, partition: str
+) -> None:
+    # a trajectory that spans weight updates (partial rollouts): versions per generated token
+    client.create_partition(partition, tasks=["actor"])
+    client.put(
+        {"x": torch.arange(4), "versions": tokens([-1, 1, 2, 3], [0, 0], [2, 2, 4], [-1, -1])},
+        partition,
+        version=0,
+    )
+    win = {"current_version": 4, "max_staleness": 1, "measure": "token"}
+    batch = client.get(partition, "x", 2, "actor", timeout=5, on_stale="drop", **win)
+    # row 1 (only version 0) has no token inside: dropped on the way, as the head measure drops
+    # a row; row 3 has no generated token (its version is the put's, 0): stale at the next read
+    assert batch.meta.row_ids == [0, 2] and batch.meta.stale_dropped == 1
+    assert sorted(batch.data.keys()) == ["fresh_mask", "versions", "x"]
+    fresh = [m.tolist() for m in batch.data["fresh_mask"].unbind()]
+    assert fresh == [[False, False, False, True], [False, False, True]]  # prompt tokens: False
+    assert batch.meta.tokens_masked == 4  # 1, 2 and 2, 2: generated outside the window
+    assert stats(client, partition).tasks["actor"].tokens_masked == 0  # counted at ack
+    batch.ack()
+    assert stats(client, partition).tasks["actor"].tokens_masked == 4
+    # the head measure would have dropped both: their oldest tokens are 3 and 2 versions old
+    assert stats(client, partition).tasks["actor"].lag == {1: 1, 0: 1}
+    with pytest.raises(tqstream.RequestTimeoutError):
+        client.get(partition, "x", 1, "actor", timeout=0, on_stale="drop", **win)
+    assert stats(client, partition).stale_dropped == 2
+
+
+def test_token_measure_two_steps_and_padded(client: Client, partition: str) -> None:
+    client.put({"versions": tokens([5, 6], [4, 6, 6])}, partition, version=4)
+    meta = client.get_meta(partition, [], 2, "t", current_version=6, max_staleness=0,
+                           measure="token")  # fmt: skip
+    assert meta.token_window == [6, 0] and meta.fields == ["versions"]
+    data = client.get_data(meta, padded=True)
+    assert data["fresh_mask"].tolist() == [[False, True, False], [False, True, True]]
+    assert data["fresh_mask_lengths"].tolist() == [2, 3]
+    from tqstream.client.versions import tokens_outside
+
+    assert tokens_outside(data, "versions") == 2
+    client.ack(meta)
+
+
+def test_token_measure_errors(client: Client, partition: str) -> None:
+    client.put({"x": torch.arange(2), "fresh_mask": torch.zeros(2)}, partition)
+    win = {"current_version": 0, "max_staleness": 0, "measure": "token"}
+    with pytest.raises(tqstream.InvalidRequestError, match="adds the field 'fresh_mask'"):
+        client.get(partition, ["x", "fresh_mask"], 1, "t", **win)
+    other = partition + "-no-versions"
+    client.put({"x": torch.arange(2), "v": torch.tensor([0.5, 1.5])}, other, version=0)
+    with pytest.raises(tqstream.SchemaError, match="per-token versions field 'v'"):
+        client.get(other, "x", 2, "t", versions_field="v", timeout=5, **win)
+    wait_for(lambda: stats(client, other).tasks["t"].leased == 0)  # the lease went back
 
 
 def test_window_drop_evicts_stale_rows_for_every_task(client: Client, partition: str) -> None:

@@ -23,7 +23,7 @@ from tqstream.reference.pipeline import PipelineConfig, PipelineError, StepStats
 def test_a_few_steps_end_to_end(update_mode: str) -> None:
     seen: list[StepStats] = []
     config = PipelineConfig(steps=4, workers=2, batch_groups=2, group_size=4, max_staleness=1,
-                            update_mode=update_mode, timeout=90.0)  # fmt: skip
+                            update_mode=update_mode, timeout=90.0, warmup_steps=5)  # fmt: skip
     summary = run(config, on_step=seen.append)
     assert [s.version for s in seen] == [1, 2, 3, 4] and summary.history == seen
     assert all(math.isfinite(s.loss) for s in seen)
@@ -49,6 +49,9 @@ def test_a_few_steps_end_to_end(update_mode: str) -> None:
         ({"engine": "jax"}, "unknown engine 'jax'; use 'torch' or 'vllm'"),
         ({"update_mode": "wait"}, "update_mode must be 'keep' or 'abort', got 'wait'"),
         ({"max_restarts": -1}, "max_restarts must be 0 or more, got -1"),
+        ({"measure": "tail"}, "measure must be 'head' or 'token', got 'tail'"),
+        ({"epochs": 0}, "prompts_per_rollout and epochs must be 1 or more, warmup_steps 0 or more"),
+        ({"eval_problems": 0}, "eval_every must be 0 or more, eval_problems 1 or more"),
     ],
 )
 def test_configurations_that_cannot_run_are_refused_before_anything_starts(
@@ -75,7 +78,7 @@ def test_a_rollout_worker_killed_mid_generation_is_replaced_and_the_trainer_goes
             time.sleep(0.5)  # give the replacement time to start and join the weight hub
 
     config = PipelineConfig(steps=24, workers=2, batch_groups=2, group_size=4, max_staleness=1,
-                            max_restarts=1, timeout=90.0)  # fmt: skip
+                            max_restarts=1, timeout=90.0, warmup_steps=5)  # fmt: skip
     summary = run(config, on_step=on_step)
     assert len(killed) == 1 and summary.restarts == 1
     assert [s.version for s in summary.history] == list(range(1, 25))
@@ -94,17 +97,20 @@ def test_more_deaths_than_max_restarts_fail_the_run() -> None:
                 os.kill(p.pid, signal.SIGKILL)
 
     config = PipelineConfig(steps=50, workers=1, batch_groups=1, group_size=2, max_staleness=1,
-                            max_restarts=0, timeout=30.0)  # fmt: skip
+                            max_restarts=0, timeout=30.0, warmup_steps=5)  # fmt: skip
     with pytest.raises(PipelineError, match=r"rollout worker 0 exited with code -9, and 0 were "
                        r"already replaced \(max_restarts\)"):  # fmt: skip
         run(config, on_step=on_step)
 
 
-def test_a_seeded_short_run_learns() -> None:
-    # the demo's settings, 120 steps: the policy learns to answer with a digit and to stop
-    config = PipelineConfig(steps=120, workers=2, lr=1e-3, seed=0, timeout=90.0)
-    summary = run(config)
-    assert summary.reward_last > summary.reward_first + 0.05, summary
+def test_a_seeded_run_learns_the_task_through_tqstream() -> None:
+    # the demo's settings, 150 steps: after the format warm start the held-out exact-match is
+    # still ~0; what the policy learns beyond, it learns from the reward
+    summary = run(PipelineConfig(steps=150, seed=0, timeout=90.0, eval_every=50))
+    assert summary.eval_untrained <= 0.1 and summary.eval_first <= 0.3, summary
+    assert summary.reward_last > summary.reward_first + 0.3, summary
+    assert summary.eval_last >= 0.3, summary
+    assert [h.step for h in summary.history if h.eval is not None] == [49, 99, 149]
 
 
 def test_a_trainer_without_batches_times_out_naming_its_workers() -> None:
@@ -117,7 +123,7 @@ def test_a_trainer_without_batches_times_out_naming_its_workers() -> None:
                 stopped.append(p.pid)
 
     config = PipelineConfig(steps=3, workers=1, batch_groups=1, group_size=2, max_staleness=0,
-                            timeout=20.0)  # fmt: skip
+                            timeout=20.0, warmup_steps=5)  # fmt: skip
     try:
         with pytest.raises(tqstream.RequestTimeoutError) as err:
             run(config, on_step=on_step)

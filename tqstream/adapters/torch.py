@@ -31,6 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 import tqstream
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client, PadValues
+from tqstream.client.versions import tokens_outside
 from tqstream.errors import InvalidRequestError, PartitionDrainedError
 from tqstream.experience import Experience, StalenessPolicy
 from tqstream.types import BatchMeta
@@ -101,6 +102,9 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
     ``finite``: end the iteration once the producers closed the partition
     (``ExperienceWriter.close``) and it is drained; otherwise iterate forever, waiting for rows.
 
+    ``staleness.measure == "token"``: each batch also holds ``fresh_mask`` (per generated token of
+    ``versions_field``, inside the window; see ``Client.get``).
+
     ``share_group``: the ``torch.distributed`` group of ranks that share a data-parallel rank
     (tensor/pipeline/sequence-parallel peers): its first rank leases each batch and sends the
     lease to the others, so they all train on identical rows; different data-parallel ranks
@@ -114,7 +118,7 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
         version_fn: Callable[[], int] | None = None, whole_groups: bool = False,
         padded: bool = False, pad_values: PadValues = 0, ack: str = "next", finite: bool = False,
         timeout: float | None = None, lease_timeout: float | None = None,
-        share_group: Any = None,
+        share_group: Any = None, versions_field: str = "versions",
     ) -> None:  # fmt: skip
         if ack not in _ACK_MODES:
             raise InvalidRequestError(f"ack must be 'next' or 'manual', got {ack!r}")
@@ -136,6 +140,7 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
         self.staleness, self.version_fn, self.whole_groups = staleness, version_fn, whole_groups
         self.padded, self.pad_values, self.ack_mode, self.finite = padded, pad_values, ack, finite
         self.timeout, self.lease_timeout, self.share_group = timeout, lease_timeout, share_group
+        self.versions_field = versions_field
         self._pending: BatchMeta | None = None  # yielded, acked when the next batch is asked for
         self._yielded = 0
         self._restored: BatchMeta | None = None
@@ -164,7 +169,14 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
         return None if self.version_fn is None else self.version_fn()
 
     def _batch(self, client: Client, meta: BatchMeta) -> TensorDictBase:
-        data = client.get_data(meta, padded=self.padded, pad_values=self.pad_values)
+        data = client.get_data(meta, padded=self.padded, pad_values=self.pad_values,
+                               versions_field=self.versions_field)  # fmt: skip
+        return self._with_meta(data, meta)
+
+    def _with_meta(self, data: TensorDictBase, meta: BatchMeta) -> TensorDictBase:
+        if meta.token_window is not None:  # counted in the task's stats when the batch is acked
+            masked = tokens_outside(data, self.versions_field)
+            meta = msgspec.structs.replace(meta, tokens_masked=masked)
         data.set_non_tensor(META_KEY, msgspec.to_builtins(meta))
         return data
 
@@ -221,7 +233,7 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
             whole_groups=self.whole_groups, lease_timeout=self.lease_timeout,
             timeout=self.timeout, current_version=version,
             max_staleness=s.max_staleness if version is not None else None,
-            measure=s.measure, on_stale=s.on_stale,
+            measure=s.measure, on_stale=s.on_stale, versions_field=self.versions_field,
         )  # fmt: skip
 
     def get_experience(self, count: int | None = None, current_version: int | None = None
@@ -236,8 +248,9 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
     ) -> TensorDictBase:
         client = self._conn.client()
         meta = await client.async_get_meta(**self._window(count, current_version))
-        data = await client.async_get_data(meta, padded=self.padded, pad_values=self.pad_values)
-        data.set_non_tensor(META_KEY, msgspec.to_builtins(meta))
+        data = await client.async_get_data(meta, padded=self.padded, pad_values=self.pad_values,
+                                           versions_field=self.versions_field)  # fmt: skip
+        data = self._with_meta(data, meta)
         return data
 
     def _ack_pending(self, client: Client) -> None:

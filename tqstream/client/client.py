@@ -37,6 +37,7 @@ from tqstream.client.requests import (
     reply_wait,
     tags_message,
     upsert_message,
+    with_fresh_mask,
 )
 from tqstream.config import ClientConfig, from_env
 from tqstream.errors import ClosedError
@@ -381,6 +382,7 @@ class Client:
         max_staleness: int | None = None,
         measure: str = "head",
         on_stale: str = "keep",
+        versions_field: str = "versions",
     ) -> BatchMeta:
         """Lease the ``batch_size`` oldest rows that have ``fields`` and ``task`` has not consumed.
 
@@ -394,11 +396,13 @@ class Client:
         ``v - k`` are selected (rows without a version always are); a group is stale if any
         member is. ``on_stale="drop"`` evicts the stale rows it meets (they can never be in a
         window again), counted in ``meta.stale_dropped`` and in stats; "keep" leaves them.
+        ``measure="token"``: see :meth:`get` (the meta says so; ``get_data`` adds the mask).
         """
         window = Window(current_version, max_staleness, measure, on_stale)
         req = get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
-        )
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window,
+            versions_field,
+        )  # fmt: skip
         return self._sync(ClientCore.get_meta, req)
 
     async def async_get_meta(
@@ -415,11 +419,13 @@ class Client:
         max_staleness: int | None = None,
         measure: str = "head",
         on_stale: str = "keep",
+        versions_field: str = "versions",
     ) -> BatchMeta:
         window = Window(current_version, max_staleness, measure, on_stale)
         req = get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
-        )
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window,
+            versions_field,
+        )  # fmt: skip
         return await self._async(ClientCore.get_meta, req)
 
     def get_data(
@@ -430,14 +436,19 @@ class Client:
         padded: bool = False,
         pad_values: PadValues = 0,
         copy: bool = False,
+        versions_field: str = "versions",
     ) -> TensorDict:
         """The rows of ``meta`` as a TensorDict: dense fields dense, ragged fields as jagged
         nested tensors (or padded, with ``<field>_lengths``), object fields as NonTensorStack.
 
         The tensors are views of the received data — through shared memory, copy-on-write views of
-        the storage unit's pages — unless ``copy=True`` asks for private copies (one memcpy)."""
+        the storage unit's pages — unless ``copy=True`` asks for private copies (one memcpy).
+        ``meta`` of a ``measure="token"`` read: ``fresh_mask`` comes along (see :meth:`get`)."""
         names = list(meta.fields if fields is None else fields)
+        if meta.token_window is not None and versions_field not in names:
+            names.append(versions_field)
         columns = self._sync(ClientCore.fetch, meta, names)
+        _, columns = with_fresh_mask(meta, columns, versions_field)
         return decode(len(meta), columns, padded, pad_values, copy)
 
     async def async_get_data(
@@ -448,9 +459,13 @@ class Client:
         padded: bool = False,
         pad_values: PadValues = 0,
         copy: bool = False,
+        versions_field: str = "versions",
     ) -> TensorDict:
         names = list(meta.fields if fields is None else fields)
+        if meta.token_window is not None and versions_field not in names:
+            names.append(versions_field)
         columns = await self._async(ClientCore.fetch, meta, names)
+        _, columns = with_fresh_mask(meta, columns, versions_field)
         return decode(len(meta), columns, padded, pad_values, copy)
 
     def get(
@@ -471,17 +486,27 @@ class Client:
         max_staleness: int | None = None,
         measure: str = "head",
         on_stale: str = "keep",
+        versions_field: str = "versions",
     ) -> Batch:
         """``get_meta`` then ``get_data``; if fetching fails the lease is released.
 
         ``auto_ack=True`` acks the rows once their data is delivered (at-most-once for this
         task); by default the caller acks after using them (at-least-once).
+
+        ``measure="token"``: a row is read while any of its generated tokens is inside the
+        window (its newest token's version), and the batch gets a ``fresh_mask`` field, aligned
+        with the per-token ``versions_field`` (read too): True on the generated tokens inside
+        the window (prompt tokens, version -1, are False). ``meta.tokens_masked`` counts the
+        generated tokens outside; acking the whole batch adds them to the task's
+        ``tokens_masked`` in stats.
         """
         window = Window(current_version, max_staleness, measure, on_stale)
         req = get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
-        )
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window,
+            versions_field,
+        )  # fmt: skip
         meta, columns = self._sync(ClientCore.get, req)  # one call: get_meta + fetch
+        meta, columns = self._masked_or_release(meta, columns, versions_field)
         data = self._decode_or_release(meta, columns, padded, pad_values, copy)
         if auto_ack:
             self.ack(meta)
@@ -505,16 +530,30 @@ class Client:
         max_staleness: int | None = None,
         measure: str = "head",
         on_stale: str = "keep",
+        versions_field: str = "versions",
     ) -> Batch:
         window = Window(current_version, max_staleness, measure, on_stale)
         req = get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window
-        )
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window,
+            versions_field,
+        )  # fmt: skip
         meta, columns = await self._async(ClientCore.get, req)
+        meta, columns = self._masked_or_release(meta, columns, versions_field)
         data = self._decode_or_release(meta, columns, padded, pad_values, copy)
         if auto_ack:
             await self.async_ack(meta)
         return Batch(meta, data, self)
+
+    def _masked_or_release(
+        self, meta: BatchMeta, columns: dict[str, Any], versions_field: str
+    ) -> tuple[BatchMeta, dict[str, Any]]:
+        """A token-measure read's mask (``requests.with_fresh_mask``); if it cannot be made
+        (no per-token versions field), the lease is released."""
+        try:
+            return with_fresh_mask(meta, columns, versions_field)
+        except BaseException:
+            self._release_quietly(meta)
+            raise
 
     def _decode_or_release(
         self,

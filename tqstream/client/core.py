@@ -580,14 +580,12 @@ class ClientCore:
                 "this BatchMeta holds no lease (it came from put or get_by_keys); only batches "
                 "from get_meta/get can be acked or released"
             )
-        cls = Release if release else Ack
-        msg = cls(
-            rid=0,
-            partition=meta.partition,
-            task=meta.task,
-            lease_id=meta.lease_id,
-            row_ids=meta.row_ids,
-        )
+        p, t, lease, rows = meta.partition, meta.task, meta.lease_id, meta.row_ids
+        if release:
+            msg: Any = Release(rid=0, partition=p, task=t, lease_id=lease, row_ids=rows)
+        else:
+            msg = Ack(rid=0, partition=p, task=t, lease_id=lease, row_ids=rows,
+                      tokens_masked=meta.tokens_masked)  # fmt: skip
         return (await self._ask(msg, Ok)).count
 
     async def clear_samples(self, meta: BatchMeta) -> None:

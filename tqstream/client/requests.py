@@ -15,7 +15,7 @@ from tensordict import TensorDict
 
 from tqstream.client.batch import Window
 from tqstream.client.core import GET_GRACE
-from tqstream.client.versions import check_version, row_versions
+from tqstream.client.versions import FRESH_MASK, check_version, fresh_mask, row_versions
 from tqstream.errors import BatchShapeError, InvalidRequestError, TagError
 from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
 from tqstream.protocol.messages import (
@@ -289,10 +289,18 @@ def get_request(
     lease_timeout: float | None,
     timeout: float | None,
     window: Window,
+    versions_field: str = "versions",
 ) -> GetMeta:
     if isinstance(fields, str):
         fields = [fields]
     check_version(window.current_version, "current_version")
+    if window.measure == "token":  # the per-token versions come along, to make the mask of
+        if FRESH_MASK in fields:
+            raise InvalidRequestError(
+                f"a measure='token' read adds the field {FRESH_MASK!r}; the partition has a field "
+                f"of that name too: rename it, or read with another measure"
+            )
+        fields = list(dict.fromkeys([*fields, versions_field]))
     return GetMeta(
         rid=0,
         partition=partition,
@@ -359,6 +367,19 @@ def checkpoint_message(
 def reply_wait(timeout: float | None) -> float | None:
     """How long the client waits for a checkpoint's reply: the units' time and a margin."""
     return None if timeout is None else timeout + GET_GRACE
+
+
+def with_fresh_mask(
+    meta: BatchMeta, columns: dict[str, Column], versions_field: str
+) -> tuple[BatchMeta, dict[str, Column]]:
+    """A token-measure read's columns with :data:`FRESH_MASK`, and its meta with the count of
+    generated tokens outside the window (``meta.token_window`` says it was one); others as they
+    are."""
+    if meta.token_window is None:
+        return meta, columns
+    version, staleness = meta.token_window or (None, None)
+    columns, masked = fresh_mask(columns, versions_field, version, staleness, keep_versions=True)
+    return msgspec.structs.replace(meta, tokens_masked=masked), columns
 
 
 def decode(

@@ -9,10 +9,13 @@ Computed in the producer's process, vectorised over the batch, so the controller
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import torch
 
 from tqstream.errors import InvalidRequestError, SchemaError
-from tqstream.protocol.codec import Column
+from tqstream.protocol.codec import Column, FieldSchema
 
 _INTEGER = {"int8", "int16", "int32", "int64", "uint8"}
 
@@ -70,3 +73,53 @@ def row_versions(
             starts.append(a)
             ends.append(b)
     return starts, ends
+
+
+FRESH_MASK = "fresh_mask"
+"""The field a ``measure="token"`` read adds: per token, whether it is inside the window."""
+
+
+def fresh_mask(
+    columns: dict[str, Column],
+    versions_field: str,
+    current_version: int | None,
+    max_staleness: int | None,
+    keep_versions: bool,
+) -> tuple[dict[str, Column], int]:
+    """``columns`` with :data:`FRESH_MASK` added: a ``bool`` field aligned with the per-token
+    versions field (ragged or dense, as it is), True where ``current_version - versions[t] <=
+    max_staleness`` (a prompt position, version -1, is False); the versions field itself is
+    dropped unless ``keep_versions``. Also returns how many generated tokens (version >= 0) fell
+    outside. Without a window (``max_staleness`` None) every generated token is inside."""
+    col = columns.get(versions_field)
+    if col is None or col.schema.kind == "object" or col.schema.dtype not in _INTEGER:
+        found = "no such field" if col is None else col.schema.describe()
+        raise SchemaError(
+            f"a measure='token' read needs the per-token versions field {versions_field!r} "
+            f"(int, one policy version per token, -1 on prompt tokens), got {found}; name "
+            f"it with versions_field=",
+            field=versions_field,
+        )
+    versions = col.values.to(torch.int64)
+    generated = versions >= 0
+    if current_version is None or max_staleness is None:  # no window: every generated token
+        fresh = generated
+    else:
+        fresh = generated & (current_version - versions <= max_staleness)
+    out = {k: c for k, c in columns.items() if keep_versions or k != versions_field}
+    schema = FieldSchema(col.schema.kind, "bool", tuple(col.schema.shape))
+    out[FRESH_MASK] = Column(schema, fresh, col.offsets)
+    return out, int(generated.sum()) - int(fresh.sum())
+
+
+def tokens_outside(data: Any, versions_field: str) -> int:
+    """Generated tokens of a token-measure read's TensorDict (jagged, or padded with
+    ``<versions_field>_lengths``) outside its window: what ``meta.tokens_masked`` counts."""
+    versions, fresh = data.get(versions_field), data.get(FRESH_MASK)
+    if versions.is_nested:
+        versions, fresh = versions.values(), fresh.values()
+    elif f"{versions_field}_lengths" in data.keys():  # noqa: SIM118 (a TensorDict)
+        lengths = data.get(f"{versions_field}_lengths")
+        valid = torch.arange(versions.shape[1])[None, :] < lengths[:, None]
+        versions, fresh = versions[valid], fresh[valid]
+    return int((versions >= 0).sum()) - int(fresh.sum())

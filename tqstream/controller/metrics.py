@@ -267,6 +267,8 @@ def _families(s: Sample, started: float) -> Iterator[Metric]:
          "Rows evicted as stale before the task consumed them."),
         ("tqstream_task_rows_lost", CounterMetricFamily, "lost",
          "Rows lost with a storage unit before the task acked them."),
+        ("tqstream_task_tokens_masked", CounterMetricFamily, "tokens_masked",
+         "Generated tokens of acked rows outside a token-measure window (masked, not trained on)."),
     )  # fmt: skip
     for metric, kind, key, doc in t_metrics:
         fam = kind(metric, doc, labels=["partition", "task"])

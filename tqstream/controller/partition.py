@@ -83,7 +83,7 @@ class Group:
 
 
 class TaskState:
-    __slots__ = ("acked", "consumed", "lag", "leased", "lost", "stale_dropped")
+    __slots__ = ("acked", "consumed", "lag", "leased", "lost", "stale_dropped", "tokens_masked")
 
     def __init__(self) -> None:
         self.leased: dict[int, int] = {}  # row -> lease id
@@ -92,6 +92,7 @@ class TaskState:
         self.stale_dropped = 0
         self.lost = 0  # rows lost with a storage unit before this task acked them
         self.lag: dict[int, int] = {}  # version lag at ack -> rows
+        self.tokens_masked = 0  # generated tokens acked outside a token-measure window
 
 
 class Partition:
@@ -611,6 +612,7 @@ class Partition:
                 lag=dict(sorted(t.lag.items())),
                 lost=t.lost,
                 consumed=t.consumed,
+                tokens_masked=t.tokens_masked,
             )
         return out
 

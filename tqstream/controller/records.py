@@ -13,13 +13,15 @@ from tqstream.errors import InvalidRequestError, TQStreamError
 from tqstream.protocol.messages import GetMeta
 from tqstream.types import BatchMeta
 
-MEASURES = ("head", "tail", "dispatch")
+MEASURES = ("head", "tail", "dispatch", "token")
 
 
 def version_of(r: Row, measure: str) -> int | None:
     """The version a staleness window compares: head = the oldest generated token's (AReaL's
-    bound), tail = the newest's, dispatch = the policy version when generation was requested."""
-    if measure == "tail":
+    bound), tail = the newest's, dispatch = the policy version when generation was requested;
+    token = the newest's too (a row is read while any token is inside; the client masks the
+    tokens outside, see ``client/versions.fresh_mask``)."""
+    if measure in ("tail", "token"):
         return r.version_end
     if measure == "dispatch" and r.dispatch_version is not None:
         return r.dispatch_version

@@ -244,7 +244,8 @@ class ControllerService:
                     self._apply(s.abort(msg.put_id))
                     return Ok(rid=msg.rid)
                 case Ack():
-                    n = s.ack(msg.partition, msg.task, msg.lease_id, msg.row_ids)
+                    n = s.ack(msg.partition, msg.task, msg.lease_id, msg.row_ids,
+                              msg.tokens_masked)  # fmt: skip
                     return Ok(rid=msg.rid, count=n)
                 case Release():
                     n, effects = s.release(msg.partition, msg.task, msg.lease_id, msg.row_ids, now)

@@ -84,6 +84,7 @@ class TaskEntry(msgspec.Struct, frozen=True):
     lag: dict[int, int] = {}
     lost: int = 0
     consumed: int = 0
+    tokens_masked: int = 0
 
 
 class TtlEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -230,7 +231,13 @@ def _partition(
             groups.append(GroupEntry(name, g.size, sorted(g.fields), members))
     tasks = [
         TaskEntry(
-            name, sorted(t.acked & committed), t.stale_dropped, dict(t.lag), t.lost, t.consumed
+            name,
+            sorted(t.acked & committed),
+            t.stale_dropped,
+            dict(t.lag),
+            t.lost,
+            t.consumed,
+            t.tokens_masked,
         )
         for name, t in p.tasks.items()
     ]
@@ -482,7 +489,7 @@ def _build(
             raise _corrupt(f"task {te.name!r} of partition {e.name!r} acked unknown rows")
         task = p.tasks[te.name] = TaskState()
         task.acked, task.stale_dropped, task.lag = set(te.acked), te.stale_dropped, dict(te.lag)
-        task.lost, task.consumed = te.lost, te.consumed
+        task.lost, task.consumed, task.tokens_masked = te.lost, te.consumed, te.tokens_masked
     if not all(rid in p.rows for ttl in e.ttl_left for rid in ttl.rows):
         raise _corrupt(f"partition {e.name!r} has a ttl for unknown rows")
     p.next_row, p.seq, p.born = e.next_row, e.seq, e.born

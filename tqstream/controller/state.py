@@ -255,6 +255,9 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.leases[lease_id] = lease
         self._at(lease.deadline, "lease", lease_id)
         meta = self._meta(p, [p.rows[r] for r in rows], req.fields, req.task, lease_id)
+        if req.measure == "token":  # the client masks the tokens outside (fresh_mask)
+            bounds = [] if req.max_staleness is None else [req.current_version, req.max_staleness]
+            meta = msgspec.structs.replace(meta, token_window=bounds)
         return msgspec.structs.replace(meta, stale_dropped=dropped) if dropped else meta
 
     def _has_pending(self, partition: str) -> bool:
@@ -458,12 +461,16 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         return n
 
     # --- consumption ---
-    def ack(self, partition: str, task: str, lease_id: int, row_ids: list[int]) -> int:
+    def ack(
+        self, partition: str, task: str, lease_id: int, row_ids: list[int], tokens_masked: int = 0
+    ) -> int:
         lease, p = self._lease_for(partition, task, lease_id, row_ids)
         if lease is None or p is None:
             return 0
         rows = [r for r in row_ids if r in lease.rows]
         n = p.ack(task, rows)
+        if n:
+            p.task(task).tokens_masked += tokens_masked
         lease.rows.difference_update(rows)
         if lease.current_version is not None:
             hist = p.task(task).lag

@@ -44,6 +44,7 @@ Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
 Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 Ids = Annotated[list[Id], msgspec.Meta(max_length=MAX_LIST)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_PUT_ROWS)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 Signed = Annotated[int, msgspec.Meta(ge=-MAX_ID, le=MAX_ID)]
 Names = Annotated[list[str], msgspec.Meta(max_length=MAX_LIST)]
 
@@ -269,6 +270,7 @@ class Ack(_Msg, frozen=True, tag="ack"):
     task: str
     lease_id: Id
     row_ids: Ids
+    tokens_masked: Tokens = 0  # generated tokens of these rows outside a token-measure window
 
 
 class Release(_Msg, frozen=True, tag="release"):

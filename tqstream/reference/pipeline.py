@@ -3,12 +3,15 @@
 ::
 
     rollout worker k (process)                        trainer (this process)
-      takes group_size admission slots                  ExperienceDataset reads whole groups
-      the engine (torch or vLLM) generates them,        through the staleness window (head
-      per-token versions                                measure, stale rows dropped and counted)
-      ExperienceWriter puts the group, ends the slots -> PPOTrainer.step, ack, version + 1,
+      takes a group's admission slots per prompt,       format warm start (before any rollout)
+      up to prompts_per_rollout prompts at a time       ExperienceDataset reads whole groups
+      the engine (torch or vLLM) generates them in      through the staleness window (head
+      one batch, per-token versions                     measure, stale rows dropped and counted)
+      ExperienceWriter puts the groups, ends the slots -> PPOTrainer.step, ack, version + 1,
       a thread waits for the hub's announcement and     admission.on_version
       has the engine take part in the sync          <-- every sync_interval steps: WeightHub.send
+                                                      every eval_every steps: greedy exact-match
+                                                      on the held-out problems
                                                       a supervisor thread: a worker that died
                                                       gets its slots released and is replaced
 
@@ -18,6 +21,11 @@ row) keeps rollouts from running more than ``max_staleness + 1`` batches ahead o
 the window rarely has anything to drop; a worker that dies gives its slots back and a new one
 takes its place (it joins the weight hub as a new member; the dead one is dropped at the next
 sync).
+
+The task (``task.py``) is the nines' complement of 5-digit numbers. Before any rollout the trainer
+is warm-started on the answer's *format* only (five random digits, then the end of sequence), so
+that what the policy learns about the digits it learns from the reward, through tqstream; the
+held-out exact-match is measured before and after the warm start and every ``eval_every`` steps.
 """
 
 from __future__ import annotations
@@ -36,8 +44,12 @@ from typing import Any
 import torch
 
 from tqstream.errors import TQStreamError
+from tqstream.reference.task import DIGITS
 
-__all__ = ["PipelineConfig", "PipelineError", "StepStats", "Summary", "group_rows", "run"]
+__all__ = [
+    "PipelineConfig", "PipelineError", "StepStats", "Summary", "evaluate", "group_rows",
+    "rollout_rows", "run", "warm_start",
+]  # fmt: skip
 
 POLL = 1.0
 """Seconds the trainer waits for a batch before it looks at its workers again."""
@@ -50,10 +62,13 @@ class PipelineConfig:
     """Optimizer steps (= weight versions published)."""
     workers: int = 2
     """Rollout worker processes."""
-    batch_groups: int = 4
+    batch_groups: int = 32
     """Groups (prompts) per training batch."""
     group_size: int = 8
     """Samples per prompt (the GRPO group)."""
+    prompts_per_rollout: int = 8
+    """Prompts a worker generates for in one batch and puts in one put (at most
+    ``batch_groups``)."""
     max_staleness: int = 2
     """A trajectory whose oldest token is more versions behind than this is dropped, not trained on;
     0 is the synchronous baseline."""
@@ -66,12 +81,27 @@ class PipelineConfig:
     backend: str = "gloo"
     """The weight sync's transport: "gloo" (CPU) or "nccl" (GPUs; the trainer's weights go from
     ``cuda:0``, each worker receives on its current device)."""
-    max_new_tokens: int = 3
+    max_new_tokens: int = DIGITS + 1
+    """Tokens a completion may have: the answer's digits and the end of sequence."""
     temperature: float = 1.0
-    lr: float = 3e-3
+    lr: float = 3e-4
+    epochs: int = 8
+    """Optimizer steps per batch (PPO's passes over it)."""
+    entropy_coef: float = 0.005
+    """Weight of the generated tokens' mean entropy in the loss (keeps the policy exploring)."""
+    warmup_steps: int = 100
+    """Supervised steps on the answer's format (random digits) before the first rollout."""
+    eval_every: int = 10
+    """Steps between two held-out evaluations (greedy exact-match); 0: only first and last."""
+    eval_problems: int = 256
+    """Held-out problems evaluated (never drawn for training)."""
     seed: int = 0
     update_mode: str = "keep"
     """What a weight update does to generations in flight: "keep" or "abort" (see engine.py)."""
+    measure: str = "head"
+    """How the staleness window measures a trajectory: "head" (its oldest token: the whole
+    trajectory is dropped once that is too old) or "token" (read while any token is inside; the
+    tokens outside stay out of the loss)."""
     proximal: str = "recompute"
     timeout: float = 120.0
     """Seconds a read, a weight sync or a worker's start may take before the run fails (a vLLM
@@ -82,6 +112,12 @@ class PipelineConfig:
         """Refuse what cannot run, or would deadlock, with what to change."""
         if self.workers < 1 or self.steps < 1 or self.batch_groups < 1 or self.group_size < 1:
             raise PipelineError("a run needs at least one worker, step, group and sample per group")
+        if self.prompts_per_rollout < 1 or self.epochs < 1 or self.warmup_steps < 0:
+            raise PipelineError(
+                "prompts_per_rollout and epochs must be 1 or more, warmup_steps 0 or more"
+            )
+        if self.eval_every < 0 or self.eval_problems < 1:
+            raise PipelineError("eval_every must be 0 or more, eval_problems 1 or more")
         if self.max_staleness < 0:
             raise PipelineError(f"max_staleness must be 0 or more, got {self.max_staleness}")
         if self.sync_interval < 1:
@@ -98,6 +134,8 @@ class PipelineConfig:
             raise PipelineError(f"unknown engine {self.engine!r}; use 'torch' or 'vllm'")
         if self.update_mode not in ("keep", "abort"):
             raise PipelineError(f"update_mode must be 'keep' or 'abort', got {self.update_mode!r}")
+        if self.measure not in ("head", "token"):
+            raise PipelineError(f"measure must be 'head' or 'token', got {self.measure!r}")
         if self.backend not in ("gloo", "nccl"):
             raise PipelineError(f"unknown backend {self.backend!r}; use 'gloo' or 'nccl'")
         if self.max_restarts < 0:
@@ -120,6 +158,9 @@ class StepStats:
     rows_per_s: float
     sync_s: float  # 0 on steps without a sync
     workers: int  # weight-hub members the last sync reached
+    seconds: float = 0.0  # since the run started (model, warm start and workers included)
+    eval: float | None = None  # held-out exact-match after this step, on evaluated steps
+    lag_counts: dict[int, int] = dataclasses.field(default_factory=dict)  # trajectories by lag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +176,21 @@ class Summary:
     restarts: int  # rollout workers that died and were replaced
     seconds: float
     history: list[StepStats]
+    eval_untrained: float = 0.0  # held-out exact-match of the random model
+    eval_first: float = 0.0  # after the format warm start: where RL starts
+    eval_last: float = 0.0  # after the last step
+    warm_start_seconds: float = 0.0
+    rl_start_seconds: float = 0.0  # since the run started: the first weight sync to the workers
+    tokens_masked: int = 0  # generated tokens of trained trajectories outside the window (token)
+    seconds_to_eval_0_8: float | None = None  # first evaluation at >= 0.8 (None: never)
 
 
-def group_rows(prompt: list[int], outs: list[Any], rewards: list[float]) -> dict[str, list[Any]]:
-    """One prompt's completions (``Completion``) as the rows a worker puts, field by field."""
+def rollout_rows(
+    prompts: list[list[int]], outs: list[Any], rewards: list[float]
+) -> dict[str, list[Any]]:
+    """Completions (``Completion``), each of its own prompt, as the rows a worker puts."""
     return {
-        "prompt_ids": [torch.tensor(prompt)] * len(outs),
+        "prompt_ids": [torch.tensor(p) for p in prompts],
         "response_ids": [torch.tensor(o.tokens) for o in outs],
         "logprobs": [torch.tensor(o.logprobs) for o in outs],
         "versions": [torch.tensor(o.versions, dtype=torch.int32) for o in outs],
@@ -148,10 +198,21 @@ def group_rows(prompt: list[int], outs: list[Any], rewards: list[float]) -> dict
     }
 
 
+def group_rows(prompt: list[int], outs: list[Any], rewards: list[float]) -> dict[str, list[Any]]:
+    """One prompt's completions (``Completion``) as the rows a worker puts, field by field."""
+    return rollout_rows([prompt] * len(outs), outs, rewards)
+
+
+def _per_rollout(config: PipelineConfig) -> int:
+    """Prompts a worker takes at most per rollout (so that a batch always fills)."""
+    return min(config.prompts_per_rollout, config.batch_groups)
+
+
 def _admission_config(config: PipelineConfig) -> dict[str, int]:
     rows = config.batch_groups * config.group_size
-    return {"max_concurrent": config.workers * config.group_size,
-            "max_staleness": config.max_staleness, "consumer_batch_size": rows}  # fmt: skip
+    running = config.workers * config.group_size * _per_rollout(config)
+    return {"max_concurrent": running, "max_staleness": config.max_staleness,
+            "consumer_batch_size": rows}  # fmt: skip
 
 
 def _make_engine(config: PipelineConfig, model_dir: str, rank: int, tok: Any) -> Any:
@@ -212,34 +273,66 @@ def _worker(
         threading.Thread(target=receive_forever, name="tqstream-weights", daemon=True).start()
         client = tqstream.connect(address)
         admission = client.admission("capacity", name="rollout", **_admission_config(config))
-        row = slice(rank * config.group_size, (rank + 1) * config.group_size)
+        g = config.group_size
+        per = g * _per_rollout(config)
+        row = slice(rank * per, (rank + 1) * per)
         rng = random.Random(config.seed * 7919 + rank)
         # no close(): the trainer, not the producers, says when the stream ends
         writer = ExperienceWriter(client, partition=config.partition, admission=admission)
         k = 0
         while not stop.is_set():
-            ids: list[int] = []
-            while len(ids) < config.group_size and not stop.is_set():
-                with contextlib.suppress(tqstream.RequestTimeoutError):
-                    ids += admission.acquire(config.group_size - len(ids),
-                                             version=engine.version, timeout=0.5)  # fmt: skip
-                slots[row] = ids + [-1] * (config.group_size - len(ids))
+            ids = _take_slots(admission, engine, g, per, stop, slots, row)
             if stop.is_set():
                 break
-            problem = problems(1, rng)[0]
-            prompt = tok.encode(problem.prompt, add_special_tokens=False)
-            outs = engine.rollout([prompt] * config.group_size, config.max_new_tokens)
+            todo = problems(len(ids) // g, rng)
+            prompts = [
+                tok.encode(p.prompt, add_special_tokens=False) for p in todo for _ in range(g)
+            ]
+            outs = engine.rollout(prompts, config.max_new_tokens)
             rewards = [
-                reward(problem, tok.decode([t for t in out.tokens if t != tok.eos_token_id]),
+                reward(todo[i // g], tok.decode([t for t in out.tokens if t != tok.eos_token_id]),
                        out.finish_reason == "stop")
-                for out in outs
+                for i, out in enumerate(outs)
             ]  # fmt: skip
-            writer.put_experience(group_rows(prompt, outs, rewards), current_version=engine.version,
-                                  group=f"w{rank}-{k}", slots=ids)  # fmt: skip
-            slots[row] = [-1] * config.group_size
+            groups = [f"w{rank}-{k}-{i // g}" for i in range(len(outs))]
+            writer.put_experience(rollout_rows(prompts, outs, rewards),
+                                  current_version=engine.version, groups=groups,
+                                  slots=ids)  # fmt: skip
+            slots[row] = [-1] * per
             k += 1
     finally:
         engine.close()
+
+
+def _take_slots(
+    admission: Any, engine: Any, g: int, most: int, stop: Any, slots: Any, row: slice
+) -> list[int]:
+    """Admission slots for whole groups of ``g`` rows: one group's as soon as the budget allows,
+    then more groups' as far as it allows now, up to ``most`` rows. The budget grows by whole
+    batches and every worker takes whole groups, so a group is never left half-held (two workers
+    each holding half of the last group would wait on each other)."""
+    import tqstream
+
+    ids: list[int] = []
+
+    def record() -> None:
+        slots[row] = ids + [-1] * (most - len(ids))
+
+    while (not ids or len(ids) % g) and not stop.is_set():
+        with contextlib.suppress(tqstream.RequestTimeoutError):
+            ids += admission.acquire(g - len(ids) % g, version=engine.version, timeout=0.5)
+        record()
+    while len(ids) < most and not stop.is_set():
+        more = admission.try_acquire(g, version=engine.version)
+        ids += more
+        record()
+        if len(more) < g:
+            while len(ids) % g and not stop.is_set():  # finish the group begun
+                with contextlib.suppress(tqstream.RequestTimeoutError):
+                    ids += admission.acquire(g - len(ids) % g, version=engine.version, timeout=0.5)
+                record()
+            break
+    return ids
 
 
 class _Workers:
@@ -253,7 +346,8 @@ class _Workers:
         self.admission = admission
         self.ctx = multiprocessing.get_context("spawn")
         self.stop = self.ctx.Event()
-        slots = (config.workers + config.max_restarts) * config.group_size
+        self.per = config.group_size * _per_rollout(config)  # slots a worker may hold
+        slots = (config.workers + config.max_restarts) * self.per
         self.slots = self.ctx.Array("q", [-1] * slots, lock=False)
         self.procs: dict[int, Any] = {}
         self.restarts = 0
@@ -274,7 +368,7 @@ class _Workers:
         self.procs[rank] = p
 
     def _supervise(self) -> None:
-        g = self.config.group_size
+        g = self.per
         while not self.stop.wait(0.2):
             for rank, p in list(self.procs.items()):
                 if p.is_alive() or self.stop.is_set():
@@ -302,6 +396,55 @@ class _Workers:
                 p.join()
 
 
+def warm_start(trainer: Any, tok: Any, steps: int, rng: random.Random, batch: int = 128) -> None:
+    """Supervised steps on the answer's *format* only: training prompts followed by random digits
+    of the answer's length and the end of sequence. The policy learns to answer with five digits
+    and stop, nothing about which digits (its exact-match stays near 10⁻⁵)."""
+    from tqstream.reference.task import format_answer, problems
+
+    model = trainer.model
+    model.train()
+    for _ in range(steps):
+        todo = problems(batch, rng)
+        prompts = [torch.tensor(tok.encode(p.prompt, add_special_tokens=False)) for p in todo]
+        answers = [
+            torch.tensor(
+                [*tok.encode(format_answer(rng), add_special_tokens=False), tok.eos_token_id]
+            )
+            for _ in todo
+        ]
+        logp, mask = trainer.logprobs(prompts, answers)
+        loss = -(torch.where(mask, logp, 0.0).sum() / mask.sum())
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        trainer.optimizer.step()
+    model.eval()
+
+
+@torch.no_grad()
+def evaluate(model: Any, tok: Any, problems: list[Any], max_new_tokens: int) -> float:
+    """Greedy exact-match on ``problems`` (all prompts of one length: one batch, KV cache)."""
+    from tqstream.reference.task import exact
+
+    prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in problems]
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("evaluate needs prompts of one length (the demo's task has them)")
+    ids = torch.tensor(prompts)
+    out = torch.empty((len(prompts), 0), dtype=torch.long)
+    past, step = None, ids
+    for _ in range(max_new_tokens):
+        res = model(input_ids=step, past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        step = res.logits[:, -1].argmax(-1, keepdim=True)
+        out = torch.cat([out, step], dim=1)
+    hits = 0
+    for problem, row in zip(problems, out.tolist(), strict=True):
+        stopped = tok.eos_token_id in row
+        tokens = row[: row.index(tok.eos_token_id)] if stopped else row
+        hits += exact(problem, tok.decode(tokens), stopped)
+    return hits / len(problems)
+
+
 def run(
     config: PipelineConfig,
     client: Any = None,
@@ -311,6 +454,7 @@ def run(
     import tqstream
     from tqstream import StalenessPolicy
     from tqstream.adapters.torch import ExperienceDataset, meta_of
+    from tqstream.reference.task import held_out
     from tqstream.reference.tiny import tiny_model, tiny_tokenizer
     from tqstream.reference.trainer import PPOTrainer
     from tqstream.reference.weightsync import WeightHub
@@ -330,23 +474,34 @@ def run(
         tok = tiny_tokenizer(model_dir)
         model = tiny_model(len(tok), seed=config.seed)
         model.save_pretrained(model_dir)
-        trainer = PPOTrainer(model, pad_id=tok.pad_token_id, lr=config.lr,
-                             temperature=config.temperature, proximal=config.proximal)  # fmt: skip
+        trainer = PPOTrainer(
+            model, pad_id=tok.pad_token_id, lr=config.lr, temperature=config.temperature,
+            proximal=config.proximal, epochs=config.epochs, entropy_coef=config.entropy_coef,
+        )  # fmt: skip
         hub = WeightHub(timeout=config.timeout, backend=config.backend)
         admission = client.admission("capacity", name="rollout", **_admission_config(config))
         client.create_partition(config.partition, FIELDS, tasks=["actor"], admission="rollout")
         workers = _Workers(config, client.address, hub.port, model_dir, admission)
+        # while the workers start: the held-out score of the random model, the format warm start
+        # (the workers get its weights with the first sync, before their first rollout)
+        held = held_out(config.eval_problems)
+        eval_untrained = evaluate(model, tok, held, config.max_new_tokens)
+        warm = time.perf_counter()
+        warm_start(trainer, tok, config.warmup_steps, random.Random(config.seed))
+        warm_seconds = time.perf_counter() - warm
+        eval_first = evaluate(model, tok, held, config.max_new_tokens)
         hub.wait_members(config.workers)
         sync = hub.send(model.state_dict(), trainer.version)
+        rl_start = time.perf_counter() - t0
         data = ExperienceDataset(
             client, FIELDS, config.batch_groups * config.group_size,
             partition=config.partition, task="actor", whole_groups=True, ack="manual",
-            staleness=StalenessPolicy(max_staleness=config.max_staleness, measure="head",
-                                      on_stale="drop"),
+            staleness=StalenessPolicy(max_staleness=config.max_staleness,
+                                      measure=config.measure, on_stale="drop"),
             version_fn=lambda: trainer.version, timeout=POLL,
         )  # fmt: skip
         history: list[StepStats] = []
-        trained = 0
+        trained = masked = 0
         batches = iter(data)
         last = time.perf_counter()
         for step in range(config.steps):
@@ -365,13 +520,15 @@ def run(
                         ) from exc
                     batches = iter(data)
             meta = meta_of(batch)
+            fresh = list(batch["fresh_mask"].unbind()) if config.measure == "token" else None
             stats = trainer.step(
                 list(batch["prompt_ids"].unbind()), list(batch["response_ids"].unbind()),
                 list(batch["logprobs"].unbind()), list(batch["versions"].unbind()),
-                batch["rewards"], meta.groups,
+                batch["rewards"], meta.groups, fresh=fresh,
             )  # fmt: skip
             data.ack(batch)
             trained += len(meta.row_ids)
+            masked += meta.tokens_masked
             sync_s = 0.0
             if (step + 1) % config.sync_interval == 0 or step + 1 == config.steps:
                 sync = hub.send(model.state_dict(), trainer.version)
@@ -379,10 +536,19 @@ def run(
                 # the capacity moves with the weights the rollouts hold, not the trainer's
                 # version: opened earlier, it would admit work done under the old weights
                 admission.on_version(trainer.version)
+            due = config.eval_every and (step + 1) % config.eval_every == 0
+            score = (
+                evaluate(model, tok, held, config.max_new_tokens)
+                if due or step + 1 == config.steps
+                else None
+            )
             now = time.perf_counter()
             rate = len(meta.row_ids) / (now - last)
-            row = StepStats(step, trainer.version, stats["reward_mean"], stats["loss"],
-                            stats["max_lag"], rate, sync_s, sync.receivers)  # fmt: skip
+            row = StepStats(
+                step, trainer.version, stats["reward_mean"], stats["loss"], stats["max_lag"],
+                rate, sync_s, sync.receivers, seconds=now - t0, eval=score,
+                lag_counts=stats["lag_counts"],
+            )  # fmt: skip
             last = now
             history.append(row)
             if on_step is not None:
@@ -404,6 +570,15 @@ def run(
             restarts=workers.restarts,
             seconds=time.perf_counter() - t0,
             history=history,
+            eval_untrained=eval_untrained,
+            eval_first=eval_first,
+            eval_last=history[-1].eval if history[-1].eval is not None else eval_first,
+            warm_start_seconds=warm_seconds,
+            rl_start_seconds=rl_start,
+            tokens_masked=masked,
+            seconds_to_eval_0_8=next(
+                (h.seconds for h in history if h.eval is not None and h.eval >= 0.8), None
+            ),
         )
     finally:
         if workers is not None:

@@ -1,16 +1,26 @@
-"""The demo's verifiable task: addition, ``"a+b="`` -> ``"c"``, rewarded by exact match.
+"""The demo's verifiable task: the nines' complement of a 5-digit number, ``"31415="`` ->
+``"68584"`` (every digit ``d`` becomes ``9 - d``), rewarded by the digits it gets right.
 
-A randomly initialised model almost never writes the exact answer, so the reward has steps a
-policy can climb from the start: 0.1 for answering with a digit, 0.4 more when the answer's digits
-are right, 0.5 more when it then stops (the exact answer and the end of sequence: 1.0).
+An untrained policy writes the exact answer about once in 10⁵ tries, and a policy warm-started
+only on the answer's *format* (five digits, then stop) about as rarely: what it learns beyond
+that, it learns from the reward. Problems are drawn from the 10⁵ numbers less a fixed held-out
+set, on which the trainer measures greedy exact-match: problems never trained on.
+
+The reward: 0 unless the completion is five digits and then the end of sequence; else the
+fraction of the five digits that are right (1.0 for the exact answer).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import cache
 
-__all__ = ["Problem", "problems", "reward"]
+__all__ = ["DIGITS", "Problem", "exact", "format_answer", "held_out", "problems", "reward"]
+
+DIGITS = 5
+"""Digits of a problem's number and of its answer."""
+_HELD_OUT_SEED = 20_261_127
 
 
 @dataclass(frozen=True)
@@ -19,23 +29,45 @@ class Problem:
     answer: str
 
 
-def problems(n: int, rng: random.Random, top: int = 10) -> list[Problem]:
-    """``n`` problems ``a+b=`` with ``a + b < top``."""
-    out = []
-    for _ in range(n):
-        a = rng.randrange(top)
-        b = rng.randrange(top - a)
-        out.append(Problem(f"{a}+{b}=", str(a + b)))
+def _problem(x: int) -> Problem:
+    digits = f"{x:0{DIGITS}d}"
+    return Problem(f"{digits}=", "".join(str(9 - int(d)) for d in digits))
+
+
+@cache
+def _held_out_numbers(n: int) -> tuple[int, ...]:
+    return tuple(random.Random(_HELD_OUT_SEED).sample(range(10**DIGITS), n))
+
+
+def held_out(n: int = 256) -> list[Problem]:
+    """The held-out problems (the same for every run): never drawn by :func:`problems`."""
+    return [_problem(x) for x in _held_out_numbers(n)]
+
+
+def problems(n: int, rng: random.Random, held: int = 256) -> list[Problem]:
+    """``n`` training problems: numbers drawn uniformly from those not held out."""
+    skip = set(_held_out_numbers(held))
+    out: list[Problem] = []
+    while len(out) < n:
+        x = rng.randrange(10**DIGITS)
+        if x not in skip:
+            out.append(_problem(x))
     return out
 
 
+def format_answer(rng: random.Random) -> str:
+    """An answer of the right shape and random digits: what the format warm start teaches."""
+    return "".join(str(rng.randrange(10)) for _ in range(DIGITS))
+
+
 def reward(problem: Problem, completion: str, stopped: bool) -> float:
-    """0.1 for a digit first, +0.4 for the right digits, +0.5 for stopping right after them."""
-    if not completion[:1].isdigit():
+    """The fraction of the answer's digits that are right, for a completion of exactly
+    ``DIGITS`` digits followed by the end of sequence; 0 otherwise."""
+    if not stopped or len(completion) != DIGITS or completion.strip("0123456789"):
         return 0.0
-    r = 0.1
-    if completion.startswith(problem.answer):
-        r += 0.4
-        if stopped and completion == problem.answer:
-            r += 0.5
-    return r
+    return sum(a == b for a, b in zip(completion, problem.answer, strict=True)) / DIGITS
+
+
+def exact(problem: Problem, completion: str, stopped: bool) -> bool:
+    """The exact answer, then the end of sequence."""
+    return stopped and completion == problem.answer

@@ -8,12 +8,15 @@ behaviour logprobs and per-token versions from the rollout engine, a reward, a g
    (``proximal="loglinear"``: no extra forward pass);
 2. current logprobs with gradients, at the rollout's ``temperature`` so that they are comparable
    with the behaviour logprobs;
-3. GRPO advantages per group, the decoupled loss (``loss.py``), one optimizer step; ``version``
-   goes up by one.
+3. GRPO advantages per group, the decoupled loss (``loss.py``) minus ``entropy_coef`` times the
+   mean entropy of the generated tokens' distributions, and ``epochs`` optimizer steps over the
+   batch (PPO's passes: the clip keeps later passes near the proximal policy); ``version`` goes
+   up by one.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -36,18 +39,30 @@ class PPOTrainer:
         behav_cap: float | None = 5.0,
         proximal: str = "recompute",
         version: int = 0,
+        epochs: int = 1,
+        entropy_coef: float = 0.0,
     ) -> None:
         if proximal not in ("recompute", "loglinear"):
             raise ValueError(f"proximal must be 'recompute' or 'loglinear', got {proximal!r}")
+        if epochs < 1:
+            raise ValueError(f"epochs must be 1 or more, got {epochs}")
         self.model = model
+        self.epochs, self.entropy_coef = epochs, entropy_coef
         self.pad_id, self.temperature = pad_id, temperature
         self.eps_clip, self.behav_cap, self.proximal = eps_clip, behav_cap, proximal
         self.version = version
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
-    def logprobs(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> Any:
+    def logprobs(
+        self,
+        prompts: Sequence[torch.Tensor],
+        responses: Sequence[torch.Tensor],
+        *,
+        entropy: bool = False,
+    ) -> Any:
         """``(logp [B, T], mask [B, T])``: each response token's logprob under the current weights,
-        at response positions of a right-padded batch (grad enabled if the caller's is)."""
+        at response positions of a right-padded batch (grad enabled if the caller's is); with
+        ``entropy``, also each position's entropy ``[B, T]``."""
         seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses, strict=True)]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -59,7 +74,10 @@ class PPOTrainer:
             mask[i, len(p) - 1 : len(s) - 1] = True  # logits at t predict token t + 1
         logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         logp = torch.log_softmax(logits / self.temperature, dim=-1)
-        return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), mask
+        chosen = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        if entropy:
+            return chosen, mask, -(logp.exp() * logp).sum(-1)
+        return chosen, mask
 
     @staticmethod
     def _place(values: Sequence[torch.Tensor], mask: torch.Tensor, fill: float) -> torch.Tensor:
@@ -75,8 +93,14 @@ class PPOTrainer:
         versions: Sequence[torch.Tensor],
         rewards: torch.Tensor,
         groups: Sequence[Hashable],
-    ) -> dict[str, float]:
-        """One optimizer step; returns its statistics (loss, reward, clipping, ...)."""
+        fresh: Sequence[torch.Tensor] | None = None,
+    ) -> dict[str, Any]:
+        """``epochs`` optimizer steps on the batch; returns their statistics (loss, reward,
+        clipping, ... and ``lag_counts``: trajectories by version lag of their oldest token).
+
+        ``fresh``: per trajectory, which generated tokens to learn from (a token-measure read's
+        ``fresh_mask``): the others stay out of the loss, as tokens of a stale trajectory would
+        with the whole trajectory."""
         if not (len(prompts) == len(responses) == len(behav_logprobs) == len(versions)
                 == len(rewards) == len(groups)):  # fmt: skip
             raise ValueError("every argument needs one entry per trajectory")
@@ -90,27 +114,38 @@ class PPOTrainer:
         if self.proximal == "recompute":
             with torch.no_grad():
                 prox, _ = self.logprobs(prompts, responses)
-        logp, mask = self.logprobs(prompts, responses)
-        behav = self._place(behav_logprobs, mask, 0.0)
-        token_versions = self._place(versions, mask, -1.0).long()
-        if self.proximal == "loglinear":
-            prox = loglinear_proximal(behav, logp, token_versions, self.version)
         advantages = grpo_advantages(rewards, groups)
-        loss, stats = decoupled_ppo_loss(
-            logp, prox, behav, advantages, mask, eps_clip=self.eps_clip, behav_cap=self.behav_cap
-        )
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"the loss is {loss.item()} at version {self.version}")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        for _ in range(self.epochs):
+            logp, mask, entropy = self.logprobs(prompts, responses, entropy=True)
+            behav = self._place(behav_logprobs, mask, 0.0)
+            token_versions = self._place(versions, mask, -1.0).long()
+            if fresh is not None:
+                mask = mask & self._place(fresh, mask, 0.0).bool()
+            if self.proximal == "loglinear":
+                prox = loglinear_proximal(behav, logp, token_versions, self.version)
+            loss, stats = decoupled_ppo_loss(
+                logp, prox, behav, advantages, mask, eps_clip=self.eps_clip,
+                behav_cap=self.behav_cap,
+            )  # fmt: skip
+            mean_entropy = torch.where(mask, entropy, 0.0).sum() / max(int(mask.sum()), 1)
+            loss = loss - self.entropy_coef * mean_entropy
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"the loss is {loss.item()} at version {self.version}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
         self.model.eval()
         self.version += 1
         lag = self.version - 1 - token_versions[mask]
+        # each trajectory's lag by its oldest generated token (the head measure)
+        heads = torch.where(mask, token_versions, self.version).min(dim=1).values
+        row_lags = Counter((self.version - 1 - heads[mask.any(dim=1)]).tolist())
         return {
             "loss": loss.item(),
             "reward_mean": float(rewards.float().mean()),
             "version": float(self.version),
             "max_lag": float(lag.max()) if lag.numel() else 0.0,
+            "entropy": float(mean_entropy.detach()),
+            "lag_counts": dict(sorted(row_lags.items())),
             **stats,
         }
