@@ -386,6 +386,18 @@ class _Workers:
                 self.restarts += 1
                 self._start()
 
+    def describe(self) -> str:
+        """Which workers run, with the slots they hold (for an error message)."""
+        held = {
+            rank: sum(i >= 0 for i in self.slots[rank * self.per : (rank + 1) * self.per])
+            for rank in self.procs
+        }
+        alive = ", ".join(
+            f"{rank}: {'alive' if p.is_alive() else f'exit {p.exitcode}'}, {held[rank]} slots"
+            for rank, p in sorted(self.procs.items())
+        )
+        return f"rollout workers {{{alive}}}, {self.restarts} replaced"
+
     def close(self) -> None:
         self.stop.set()
         self._watch.join(5)
@@ -394,6 +406,22 @@ class _Workers:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _where_rows_are(client: Any, partition: str, admission: Any) -> str:
+    """The partition's and the admission's counts (for an error message); never raises."""
+    try:
+        part = client.stats(partition).partitions[partition]
+        task = part.tasks.get("actor")
+        rows = (
+            f"partition: {part.produced} produced, {part.stale_dropped} dropped as stale, "
+            f"{part.pending_puts} puts pending"
+        )
+        if task is not None:
+            rows += f", {task.available} available, {task.leased} leased, {task.consumed} trained"
+        return f"{rows}; admission: {admission.state()}"
+    except Exception as exc:  # the message must not hide the timeout behind another error
+        return f"no stats: {type(exc).__name__}: {exc}"
 
 
 def warm_start(trainer: Any, tok: Any, steps: int, rng: random.Random, batch: int = 128) -> None:
@@ -515,8 +543,9 @@ def run(
                 except tqstream.RequestTimeoutError as exc:
                     if time.monotonic() > deadline:
                         raise tqstream.RequestTimeoutError(
-                            f"the trainer got no batch within {config.timeout}s "
-                            f"({len(workers.procs)} rollout workers running): {exc}"
+                            f"the trainer got no batch within {config.timeout}s at version "
+                            f"{trainer.version} ({workers.describe()}; "
+                            f"{_where_rows_are(client, config.partition, admission)}): {exc}"
                         ) from exc
                     batches = iter(data)
             meta = meta_of(batch)
