@@ -31,7 +31,7 @@ _LAZY = {
     "FieldSchema": "tqstream.types",
     "PartitionStats": "tqstream.types",
     "ProcessCluster": "tqstream.launch.processes",
-    "StalenessPolicy": "tqstream.experience",
+    "StalenessPolicy": "tqstream.staleness",
     "Stats": "tqstream.types",
     "StorageConfig": "tqstream.config",
     "TaskStats": "tqstream.types",

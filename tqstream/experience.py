@@ -24,54 +24,16 @@ from tensordict import TensorDictBase
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Batch, Client, PadValues
 from tqstream.client.versions import row_versions
+from tqstream.convert.inputs import columns_from_data
 from tqstream.errors import InvalidRequestError, TQStreamError
-from tqstream.protocol.codec import columns_from_data
+from tqstream.staleness import StalenessPolicy, check_version
 from tqstream.types import BatchMeta
 
-__all__ = ["Experience", "ExperienceBatch", "StalenessPolicy"]
+__all__ = ["Experience", "ExperienceBatch", "StalenessPolicy"]  # the window's home: staleness.py
 
 Versions = int | Sequence[int | None] | None
-
-
-def _check_version(version: object, who: str) -> None:
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise InvalidRequestError(
-            f"current_version must be the {who}'s policy version (an int), got {version!r}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class StalenessPolicy:
-    """A trainer at version ``v`` reads only rows with ``v - version <= max_staleness``.
-
-    ``measure`` picks a row's version: "head" (its oldest generated token: AReaL's bound), "tail"
-    (its newest token) or "dispatch" (when generation was requested); "token" reads a row while
-    any of its generated tokens is inside the window and masks the others (``fresh_mask``, see
-    ``Client.get``): a trajectory that spans a weight update keeps its fresh part. ``on_stale``:
-    "drop" evicts
-    stale rows for every task (they can never be fresh again) and counts them; "keep" leaves them
-    stored and every read steps over them again. Checked here, where a typo is made.
-    """
-
-    max_staleness: int | None = None  # None: no window
-    measure: str = "head"
-    on_stale: str = "drop"
-
-    def __post_init__(self) -> None:
-        k = self.max_staleness
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
-            raise InvalidRequestError(
-                f"StalenessPolicy.max_staleness must be an int >= 0 or None (no window), got {k!r}"
-            )
-        if self.measure not in ("head", "tail", "dispatch", "token"):
-            raise InvalidRequestError(
-                f"StalenessPolicy.measure must be 'head', 'tail', 'dispatch' or 'token', got "
-                f"{self.measure!r}"
-            )
-        if self.on_stale not in ("drop", "keep"):
-            raise InvalidRequestError(
-                f"StalenessPolicy.on_stale must be 'drop' or 'keep', got {self.on_stale!r}"
-            )
+NO_WINDOW = StalenessPolicy()
+"""The default window: none, every row is inside."""
 
 
 @dataclasses.dataclass
@@ -108,7 +70,7 @@ class Experience:
 
     def __init__(
         self, client: Client, *, partition: str = "train", fields: Sequence[str] | None = None,
-        staleness: StalenessPolicy = StalenessPolicy(), admission: AdmissionHandle | None = None,
+        staleness: StalenessPolicy = NO_WINDOW, admission: AdmissionHandle | None = None,
         versions_field: str | None = "versions", tasks: Sequence[str] | None = None,
         reject_mixed_versions: bool = False, lease_timeout: float | None = None,
         ttl: float | None = None,
@@ -134,7 +96,7 @@ class Experience:
 
     def _put_args(self, data: Any, version: int, group: Any, groups: Sequence[Any] | None,
                   slots: Sequence[int] | None, **rest: Any) -> dict[str, Any]:  # fmt: skip
-        _check_version(version, "producer")
+        check_version(version, "current_version", optional=False)
         if group is not None and groups is not None:
             raise InvalidRequestError("pass group= (one id for every row) or groups=, not both")
         if slots is not None and self.admission is None:
@@ -223,12 +185,10 @@ class Experience:
             raise InvalidRequestError(
                 "get_experience needs the fields to read: pass fields=[...] to it or to Experience"
             )
-        _check_version(version, "trainer")
-        s = self.staleness
+        check_version(version, "current_version", optional=False)
         return dict(partition=self.partition, fields=fields, batch_size=count, task=task,
                     lease_timeout=self.lease_timeout, current_version=version,
-                    max_staleness=s.max_staleness, measure=s.measure, on_stale=s.on_stale,
-                    **rest)  # fmt: skip
+                    staleness=self.staleness, **rest)  # fmt: skip
 
     def get_experience(
         self, count: int, current_version: int, *, task: str, fields: Sequence[str] | None = None,

@@ -1,22 +1,30 @@
 """Public value types shared by the client, the controller and the storage units.
 
 They are frozen ``msgspec.Struct`` s so the same objects travel on the wire unchanged: a
-:class:`BatchMeta` returned by ``get_meta`` is exactly what the controller sent.
+:class:`BatchMeta` returned by ``get_meta`` is exactly what the controller sent. The closed sets of
+values a request carries are ``Literal`` types, defined here once for the messages, the client
+and the controller.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
 import msgspec
 
+from tqstream.errors import AdmissionError
+
 __all__ = [
+    "AdmissionStyle",
     "BatchMeta",
     "CheckpointSummary",
     "FieldSchema",
+    "Measure",
+    "OnStale",
     "PartitionStats",
     "RowListing",
+    "SlotOutcome",
     "Stats",
     "TagValue",
     "Tags",
@@ -26,6 +34,36 @@ __all__ = [
 
 FieldKind = Literal["dense", "ragged", "object"]
 ObjectType = Literal["str", "bytes", "json"]
+
+# --- closed sets a request carries: the server's decoder refuses any other value (a
+# MalformedMessageError naming the field); the client checks them first, with its own message
+Measure = Literal["head", "tail", "dispatch", "token"]
+"""Which policy version a staleness window compares (see ``StalenessPolicy``)."""
+OnStale = Literal["keep", "drop"]
+"""What a read does with the stale rows it meets: leave them stored, or evict them for all tasks."""
+AdmissionStyle = Literal["capacity", "per_version", "slots"]
+"""How an admission limits producers (see ``Client.admission``)."""
+SlotOutcome = Literal["accepted", "rejected", "dropped"]
+"""How an admission slot ended: its sample stored, discarded, or stored then evicted unread."""
+
+
+def check_style(style: object) -> AdmissionStyle:
+    """``style`` if it names an admission style, else ``AdmissionError`` listing them."""
+    styles = get_args(AdmissionStyle)
+    if style not in styles:
+        valid = ", ".join(repr(s) for s in styles)
+        raise AdmissionError(f"unknown admission style {style!r}; valid styles: {valid}")
+    return cast(AdmissionStyle, style)
+
+
+def check_outcome(outcome: object) -> SlotOutcome:
+    """``outcome`` if it is a slot outcome, else ``AdmissionError`` listing them."""
+    if outcome not in get_args(SlotOutcome):
+        raise AdmissionError(
+            f"release outcome must be 'accepted', 'rejected' or 'dropped' (got {outcome!r})"
+        )
+    return cast(SlotOutcome, outcome)
+
 
 Scalar = str | int | float | bool | None
 TagValue = Scalar | list[Scalar]

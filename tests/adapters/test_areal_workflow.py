@@ -163,7 +163,7 @@ def test_bad_trajectory_is_rejected(client: tqstream.Client, partition: str) -> 
     assert client.list_keys(partition) == []
 
 
-@pytest.mark.parametrize("version", [None, "2"])
+@pytest.mark.parametrize("version", [None, "2", -1])
 def test_engine_without_a_version(client: tqstream.Client, partition: str, version: Any) -> None:
     engine = Engine(version=0)
     manager = StalenessManager(engine, 4, 2, 0, client=client, name=partition)
@@ -176,7 +176,7 @@ def test_engine_without_a_version(client: tqstream.Client, partition: str, versi
     with pytest.raises(
         InvalidRequestError,
         match=rf"the inference engine passed to arun_episode gave policy version {version!r}; "
-        r"the wrapper stores each trajectory under engine.get_version\(\) \(an int\)",
+        r"the wrapper stores each trajectory under engine.get_version\(\) \(an int >= 0\)",
     ):
         asyncio.run(wrapped.arun_episode(engine, item(0)))
     assert manager.get_stats().__dict__ == dict(accepted=0, enqueued=0, rejected=1, running=0)

@@ -17,11 +17,12 @@ from conftest import PUT_TIMEOUT
 
 import tqstream
 from tqstream.config import ControllerConfig, StorageConfig
+from tqstream.convert.inputs import columns_from_data
 from tqstream.launch.embedded import EmbeddedCluster
 from tqstream.launch.processes import ProcessCluster
-from tqstream.protocol.codec import column_to_wire, columns_from_data
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import Ok, PreparePut, PutPlan, Store
+from tqstream.protocol.wire import column_to_wire
 
 
 async def _prepare_and_store_without_commit(

@@ -23,8 +23,8 @@ import zmq
 
 import tqstream
 from tqstream import ClientConfig
+from tqstream.convert.inputs import columns_from_data
 from tqstream.protocol.auth import load_keys
-from tqstream.protocol.codec import columns_from_data, columns_to_wire
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
     ClearPartition,
@@ -36,6 +36,7 @@ from tqstream.protocol.messages import (
     PutRows,
     encode,
 )
+from tqstream.protocol.wire import columns_to_wire
 
 # a refusal comes with the handshake, long before this
 CONNECT_TIMEOUT = 10.0

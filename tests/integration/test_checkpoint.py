@@ -18,10 +18,11 @@ import torch
 from conftest import LEASE_TIMEOUT, PUT_TIMEOUT
 
 import tqstream
+from tqstream.convert.inputs import columns_from_data
 from tqstream.launch.processes import ProcessCluster
-from tqstream.protocol.codec import column_to_wire, columns_from_data
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import Ok, PreparePut, PutPlan, Store
+from tqstream.protocol.wire import column_to_wire
 
 FIELDS = ["tokens", "logp", "reward", "mask", "prompt", "info"]
 BIG = 300_000  # float32 per row of the big put: 1.2 MB a row, through shared memory

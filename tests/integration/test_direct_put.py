@@ -23,7 +23,7 @@ import zmq
 import tqstream
 from tqstream import Client
 from tqstream.config import StorageConfig
-from tqstream.protocol.codec import column_from_wire, columns_from_data, columns_to_wire
+from tqstream.convert.inputs import columns_from_data
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     Columns,
@@ -43,6 +43,7 @@ from tqstream.protocol.messages import (
 )
 from tqstream.protocol.server import Responder, Server
 from tqstream.protocol.transport import context, error_reply
+from tqstream.protocol.wire import column_from_wire, columns_to_wire
 from tqstream.storage.service import StorageService
 from tqstream.types import BatchMeta
 

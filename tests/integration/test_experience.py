@@ -365,7 +365,8 @@ def test_errors(client: Client, partition: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         exp.put_experience(rollout(2), "v1")  # type: ignore[arg-type]
     assert str(info.value) == (
-        "current_version must be the producer's policy version (an int), got 'v1'"
+        "current_version must be a policy version: an int >= 0 (the trainer's weight version, "
+        "bumped at each update); got 'v1'"
     )
     with pytest.raises(InvalidRequestError) as info:
         exp.get_experience(2, 0, task="actor")
@@ -375,7 +376,8 @@ def test_errors(client: Client, partition: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         exp.get_experience(2, None, task="actor", fields=FIELDS)  # type: ignore[arg-type]
     assert str(info.value) == (
-        "current_version must be the trainer's policy version (an int), got None"
+        "current_version must be a policy version: an int >= 0 (the trainer's weight version, "
+        "bumped at each update); got None"
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tqstream
-from tqstream import Client
+from tqstream import Client, StalenessPolicy
 from tqstream.client.admission import AdmissionHandle
 from tqstream.config import ControllerConfig, StorageConfig
 from tqstream.launch.embedded import EmbeddedCluster
@@ -176,9 +176,20 @@ def test_put_version_errors(
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"measure": "middle"}, "measure must be one of head, tail, dispatch, token, got 'middle'"),
-        ({"on_stale": "evict"}, "on_stale must be 'keep' or 'drop', got 'evict'"),
-        ({"current_version": 3, "max_staleness": -1}, "max_staleness must be >= 0, got -1"),
+        (
+            {"measure": "middle"},
+            "StalenessPolicy.measure must be 'head', 'tail', 'dispatch' or 'token', got 'middle'",
+        ),
+        ({"on_stale": "evict"}, "StalenessPolicy.on_stale must be 'drop' or 'keep', got 'evict'"),
+        (
+            {"current_version": 3, "max_staleness": -1},
+            "StalenessPolicy.max_staleness must be an int >= 0 or None (no window), got -1",
+        ),
+        (
+            {"staleness": StalenessPolicy(1), "current_version": 3, "on_stale": "drop"},
+            "pass the staleness window as staleness=StalenessPolicy(...) or as max_staleness=, "
+            "measure= and on_stale=, not both",
+        ),
         (
             {"max_staleness": 1},
             "max_staleness needs current_version (the trainer's policy version) to place the "
@@ -224,6 +235,15 @@ def test_window_keep_selects_fresh_rows_and_leaves_stale_ones(
     old = client.get(partition, "x", 2, "t", current_version=1, max_staleness=1)
     assert old.data["x"].tolist() == [0, 1]
     assert len(client.get_meta(partition, "x", 5, "critic")) == 5
+
+
+def test_a_window_given_as_one_staleness_policy(client: Client, partition: str) -> None:
+    """``staleness=`` is the window the keywords make; a policy's own default is "drop"."""
+    put_versions(client, partition, [0, 1, 2, 3])
+    window = StalenessPolicy(max_staleness=1)
+    got = client.get(partition, "x", 2, "t", current_version=3, staleness=window)
+    assert got.data["x"].tolist() == [2, 3] and got.meta.stale_dropped == 2
+    assert stats(client, partition).stale_dropped == 2
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
-"""Type-valid requests with extreme values, sent raw (a ZMQ DEALER socket, no tqstream client in
-between) to a controller and a storage unit running as processes: each is refused with
-``MalformedMessageError`` naming the field, the servers keep answering, and their memory stays
-bounded. The client refuses the same values before sending."""
+"""Type-valid requests with extreme values, and values outside a closed set, sent raw (a ZMQ
+DEALER socket, no tqstream client in between) to a controller and a storage unit running as
+processes: each is refused with ``MalformedMessageError`` naming the field, the servers keep
+answering, and their memory stays bounded. The client refuses the same values before sending."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tqstream
+from tqstream.errors import error_class
 from tqstream.protocol import messages as m
 from tqstream.protocol.messages import ErrorReply, decode_reply, encode
 from tqstream.types import FieldSchema
@@ -95,6 +96,35 @@ def test_extreme_values_are_refused_by_the_controller(cluster: Any, msg: Any, wh
         raw.close()
 
 
+# values outside a closed set (a Literal in messages.py), as a peer that skipped the client's
+# checks would send them
+OUTSIDE = [
+    (m.GetMeta(rid=1, partition="p", fields=["a"], batch_size=1, task="t", measure="sideways"),
+     "`$.measure`", "sideways"),
+    (m.GetMeta(rid=1, partition="p", fields=["a"], batch_size=1, task="t", on_stale="evict"),
+     "`$.on_stale`", "evict"),
+    (m.CreateAdmission(rid=1, name="q", style="fifo", config={}), "`$.style`", "fifo"),
+    (m.ReleaseSlots(rid=1, name="q", slot_ids=[1], outcome="done"), "`$.outcome`", "done"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("msg", "field", "value"), OUTSIDE, ids=[c[2] for c in OUTSIDE])
+def test_values_outside_a_closed_set_are_refused_by_the_controller(
+    cluster: Any, msg: Any, field: str, value: str
+) -> None:
+    raw = Raw(cluster.address)
+    try:
+        reply = raw.ask(msg)
+        assert isinstance(reply, ErrorReply) and reply.code == "malformed", reply
+        assert f"Invalid enum value '{value}' - at {field}" in reply.message
+        error = error_class(reply.code)(reply.message, **reply.details)  # what a client raises
+        assert isinstance(error, tqstream.MalformedMessageError)
+    finally:
+        raw.close()
+    with tqstream.connect(cluster.address) as client:
+        assert "q" not in client.stats().admissions  # the server kept serving, nothing made
+
+
 def test_extreme_values_are_refused_by_a_storage_unit(cluster: Any) -> None:
     raw = Raw(cluster.unit_addresses[0])
     try:
@@ -128,6 +158,8 @@ def _nasty(tp: Any) -> st.SearchStrategy[Any]:
         return st.sampled_from(NASTY_FLOATS) | st.floats()
     if isinstance(info, msgspec.inspect.StrType):
         return st.sampled_from(["p", "t", "a", "", "default"])
+    if isinstance(info, msgspec.inspect.LiteralType):  # a closed set: its values, and one outside
+        return st.sampled_from([*info.values, "sideways"])
     if isinstance(info, msgspec.inspect.BoolType):
         return st.booleans()
     if isinstance(info, msgspec.inspect.NoneType):

@@ -24,8 +24,8 @@ import zmq
 
 import tqstream
 from tqstream import Client
+from tqstream.convert.inputs import columns_from_data
 from tqstream.protocol import shm
-from tqstream.protocol.codec import columns_from_data, columns_to_wire
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     DropChunks,
@@ -36,6 +36,7 @@ from tqstream.protocol.messages import (
     Store,
     UnitStatsReply,
 )
+from tqstream.protocol.wire import columns_to_wire
 
 pytestmark = pytest.mark.skipif(
     not shm.available(), reason=f"needs a writable POSIX shared-memory directory ({shm.SHM_DIR})"

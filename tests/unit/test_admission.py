@@ -10,7 +10,7 @@ and show that the trainer keeps publishing versions (no deadlock).
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from hypothesis import settings
@@ -25,6 +25,7 @@ from tqstream.controller.admission import (
     make_admission,
 )
 from tqstream.errors import AdmissionError, TQStreamError
+from tqstream.types import AdmissionStyle
 
 
 # --- AReaL's get_capacity, transcribed (areal/core/staleness_manager.py) ---
@@ -252,6 +253,13 @@ def test_refused_configuration(style: str, config: dict[str, Any], message: str)
     assert str(err.value) == message
     assert isinstance(err.value, ValueError) and isinstance(err.value, TQStreamError)
     assert err.value.code == "admission"
+
+
+@pytest.mark.parametrize("style", get_args(AdmissionStyle))
+def test_every_style_the_wire_carries_is_one_the_controller_builds(style: str) -> None:
+    with pytest.raises(AdmissionError) as err:
+        make_admission(style)  # known: only its config keys are missing
+    assert str(err.value).startswith(f"admission style {style!r}: missing config key(s)")
 
 
 def test_direct_constructors_refuse_too() -> None:

@@ -13,13 +13,14 @@ import msgspec
 import pytest
 import torch
 
+from tqstream.convert.inputs import columns_from_data
 from tqstream.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
-from tqstream.protocol.codec import Column, columns_from_data
+from tqstream.protocol.columns import Column
 from tqstream.protocol.messages import SaveUnit
 from tqstream.storage import chunkfile
 from tqstream.storage.checkpoint import UnitCheckpoints

@@ -18,19 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+from tqstream.convert.inputs import columns_from_data
+from tqstream.convert.tensordict import decode_objects, to_tensordict
 from tqstream.errors import BatchShapeError, MalformedMessageError, SchemaError
-from tqstream.protocol.codec import (
-    Column,
-    column_from_wire,
-    column_to_wire,
-    columns_from_data,
-    columns_to_wire,
-    decode_objects,
-    dtype_name,
-    to_tensordict,
-    torch_dtype,
-)
+from tqstream.protocol.columns import Column, dtype_name, torch_dtype
 from tqstream.protocol.messages import BufferRef, ColumnRef
+from tqstream.protocol.wire import column_from_wire, column_to_wire, columns_to_wire
 from tqstream.types import FieldSchema
 
 # tensordict >= 0.11 slices jagged nested tensors itself; older versions hand the slice to torch
@@ -662,7 +655,8 @@ def test_read_only_frames_raise_no_warning() -> None:
     code = """
 import warnings
 import torch
-from tqstream.protocol.codec import column_from_wire, column_to_wire, columns_from_data
+from tqstream.convert.inputs import columns_from_data
+from tqstream.protocol.wire import column_from_wire, column_to_wire
 warnings.simplefilter("error")
 _, cols = columns_from_data({"x": torch.arange(6).view(3, 2)})
 ref, bufs = column_to_wire("x", cols["x"], 1)
@@ -680,7 +674,8 @@ def test_ragged_batches_log_nothing_of_torch_internals() -> None:
     process; a user reading ragged fields does not see it (and later ones are built as usual)."""
     code = """
 import torch
-from tqstream.protocol.codec import columns_from_data, to_tensordict
+from tqstream.convert.inputs import columns_from_data
+from tqstream.convert.tensordict import to_tensordict
 rows = [torch.arange(n) for n in (1, 3, 2)]
 for _ in range(2):
     n, cols = columns_from_data({"x": rows})

@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tqstream.convert.inputs import columns_from_data
 from tqstream.errors import (
     BatchShapeError,
     FieldExistsError,
@@ -19,7 +20,8 @@ from tqstream.errors import (
     SchemaError,
     UnknownRowError,
 )
-from tqstream.protocol.codec import Column, column_from_wire, column_to_wire, columns_from_data
+from tqstream.protocol.columns import Column
+from tqstream.protocol.wire import column_from_wire, column_to_wire
 from tqstream.storage.columns import ColumnStore
 
 

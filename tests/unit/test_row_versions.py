@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tqstream.client.versions import row_versions
+from tqstream.convert.inputs import columns_from_data
 from tqstream.errors import SchemaError
-from tqstream.protocol.codec import columns_from_data
 
 DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 token = st.integers(-1, 100)

@@ -16,9 +16,10 @@ import zmq
 import tqstream
 from tqstream.client.core import _shared_frames
 from tqstream.config import StorageConfig
+from tqstream.convert.inputs import columns_from_data
 from tqstream.protocol import shm
-from tqstream.protocol.codec import columns_from_data, columns_to_wire
 from tqstream.protocol.messages import Region, Spare, Store
+from tqstream.protocol.wire import columns_to_wire
 from tqstream.storage.service import StorageService
 
 pytestmark = pytest.mark.skipif(

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "tqstream"
-CONTRACTS = {"tqstream.errors", "tqstream.config", "tqstream.types", "tqstream.protocol.messages"}
+CONTRACTS = {
+    "tqstream.errors",
+    "tqstream.config",
+    "tqstream.types",
+    "tqstream.staleness",
+    "tqstream.protocol.messages",
+}
 
 
 def _imports(path: Path) -> set[str]:

@@ -33,7 +33,8 @@ from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client, PadValues
 from tqstream.client.versions import tokens_outside
 from tqstream.errors import InvalidRequestError, PartitionDrainedError
-from tqstream.experience import Experience, StalenessPolicy
+from tqstream.experience import Experience
+from tqstream.staleness import StalenessPolicy
 from tqstream.types import BatchMeta
 
 __all__ = ["ExperienceDataset", "ExperienceWriter"]
@@ -222,18 +223,12 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
 
     def _window(self, count: int | None, version: int | None) -> dict[str, Any]:
         version = self._version() if version is None else version
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise InvalidRequestError(
-                f"current_version must be the trainer's policy version (an int), got {version!r}"
-            )
-        s = self.staleness
         return dict(
             partition=self.partition, fields=self.fields,
             batch_size=self.batch_size if count is None else count, task=self.task,
             whole_groups=self.whole_groups, lease_timeout=self.lease_timeout,
-            timeout=self.timeout, current_version=version,
-            max_staleness=s.max_staleness if version is not None else None,
-            measure=s.measure, on_stale=s.on_stale, versions_field=self.versions_field,
+            timeout=self.timeout, current_version=version, staleness=self.staleness,
+            versions_field=self.versions_field,
         )  # fmt: skip
 
     def get_experience(self, count: int | None = None, current_version: int | None = None

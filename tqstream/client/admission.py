@@ -26,6 +26,7 @@ from tqstream.protocol.messages import (
     ReleaseSlots,
     Slots,
 )
+from tqstream.types import check_outcome
 
 State = dict[str, int | float | str]
 
@@ -83,11 +84,13 @@ class AdmissionHandle:
     def release(self, slot_ids: Iterable[int], outcome: str = "accepted") -> None:
         """The samples of these slots were put ("accepted") or discarded ("rejected").
         Releasing a slot twice is harmless: a slot never counts twice."""
-        msg = ReleaseSlots(rid=0, name=self.name, slot_ids=list(slot_ids), outcome=outcome)
+        ids, ended = list(slot_ids), check_outcome(outcome)
+        msg = ReleaseSlots(rid=0, name=self.name, slot_ids=ids, outcome=ended)
         self._call(msg, Ok)
 
     async def async_release(self, slot_ids: Iterable[int], outcome: str = "accepted") -> None:
-        msg = ReleaseSlots(rid=0, name=self.name, slot_ids=list(slot_ids), outcome=outcome)
+        ids, ended = list(slot_ids), check_outcome(outcome)
+        msg = ReleaseSlots(rid=0, name=self.name, slot_ids=ids, outcome=ended)
         await self._acall(msg, Ok)
 
     def on_version(self, version: int) -> None:

@@ -1,5 +1,5 @@
-"""What a read returns: a :class:`Batch` (metadata, data, and the lease to ack), and the
-staleness :class:`Window` a read is made under."""
+"""What a read returns: a :class:`Batch` (metadata, data, and the lease to ack). The window a
+read is made under is a :class:`~tqstream.staleness.StalenessPolicy`."""
 
 from __future__ import annotations
 
@@ -26,16 +26,6 @@ class BatchClient(Protocol):
     def put_fields(self, meta: BatchMeta, data: Any) -> None: ...
 
     async def async_put_fields(self, meta: BatchMeta, data: Any) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Window:
-    """A staleness window for reads (see ``Client.get_meta``)."""
-
-    current_version: int | None = None
-    max_staleness: int | None = None
-    measure: str = "head"
-    on_stale: str = "keep"
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ from typing import Any
 from tensordict import TensorDict
 
 from tqstream.client.admission import AdmissionHandle
-from tqstream.client.batch import Batch, Window
+from tqstream.client.batch import Batch
 from tqstream.client.core import ClientCore
 from tqstream.client.lanes import CLOSED, Lanes
 from tqstream.client.loop import LoopThread
@@ -34,6 +34,7 @@ from tqstream.client.requests import (
     get_request,
     keyed_columns,
     partition_message,
+    read_window,
     reply_wait,
     tags_message,
     upsert_message,
@@ -52,7 +53,8 @@ from tqstream.protocol.messages import (
     RowsReply,
     SaveCheckpoint,
 )
-from tqstream.types import BatchMeta, CheckpointSummary, RowListing, Stats
+from tqstream.staleness import StalenessPolicy
+from tqstream.types import BatchMeta, CheckpointSummary, RowListing, Stats, check_style
 
 __all__ = ["Batch", "Client", "connect"]
 
@@ -383,6 +385,7 @@ class Client:
         measure: str = "head",
         on_stale: str = "keep",
         versions_field: str = "versions",
+        staleness: StalenessPolicy | None = None,
     ) -> BatchMeta:
         """Lease the ``batch_size`` oldest rows that have ``fields`` and ``task`` has not consumed.
 
@@ -397,11 +400,13 @@ class Client:
         member is. ``on_stale="drop"`` evicts the stale rows it meets (they can never be in a
         window again), counted in ``meta.stale_dropped`` and in stats; "keep" leaves them.
         ``measure="token"``: see :meth:`get` (the meta says so; ``get_data`` adds the mask).
+        ``staleness``: the window as one :class:`~tqstream.StalenessPolicy` (what ``Experience``
+        and the adapters hold), instead of ``max_staleness``, ``measure`` and ``on_stale``.
         """
-        window = Window(current_version, max_staleness, measure, on_stale)
+        window = read_window(staleness, max_staleness, measure, on_stale)
         req = get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window,
-            versions_field,
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout,
+            current_version, window, versions_field,
         )  # fmt: skip
         return self._sync(ClientCore.get_meta, req)
 
@@ -420,11 +425,12 @@ class Client:
         measure: str = "head",
         on_stale: str = "keep",
         versions_field: str = "versions",
+        staleness: StalenessPolicy | None = None,
     ) -> BatchMeta:
-        window = Window(current_version, max_staleness, measure, on_stale)
+        window = read_window(staleness, max_staleness, measure, on_stale)
         req = get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window,
-            versions_field,
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout,
+            current_version, window, versions_field,
         )  # fmt: skip
         return await self._async(ClientCore.get_meta, req)
 
@@ -487,6 +493,7 @@ class Client:
         measure: str = "head",
         on_stale: str = "keep",
         versions_field: str = "versions",
+        staleness: StalenessPolicy | None = None,
     ) -> Batch:
         """``get_meta`` then ``get_data``; if fetching fails the lease is released.
 
@@ -500,10 +507,10 @@ class Client:
         generated tokens outside; acking the whole batch adds them to the task's
         ``tokens_masked`` in stats.
         """
-        window = Window(current_version, max_staleness, measure, on_stale)
+        window = read_window(staleness, max_staleness, measure, on_stale)
         req = get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window,
-            versions_field,
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout,
+            current_version, window, versions_field,
         )  # fmt: skip
         meta, columns = self._sync(ClientCore.get, req)  # one call: get_meta + fetch
         meta, columns = self._masked_or_release(meta, columns, versions_field)
@@ -531,11 +538,12 @@ class Client:
         measure: str = "head",
         on_stale: str = "keep",
         versions_field: str = "versions",
+        staleness: StalenessPolicy | None = None,
     ) -> Batch:
-        window = Window(current_version, max_staleness, measure, on_stale)
+        window = read_window(staleness, max_staleness, measure, on_stale)
         req = get_request(
-            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout, window,
-            versions_field,
+            partition, fields, batch_size, task, whole_groups, lease_timeout, timeout,
+            current_version, window, versions_field,
         )  # fmt: skip
         meta, columns = await self._async(ClientCore.get, req)
         meta, columns = self._masked_or_release(meta, columns, versions_field)
@@ -683,14 +691,14 @@ class Client:
         or "per_version" (JAX-vLLM: max_per_version, update_interval). Creating the same
         admission again is harmless; a configuration that would deadlock raises AdmissionError.
         """
-        msg = CreateAdmission(rid=0, name=name, style=style, config=dict(config))
+        msg = CreateAdmission(rid=0, name=name, style=check_style(style), config=dict(config))
         self._sync(ClientCore.call, msg)
         return AdmissionHandle(self, name, style)
 
     async def async_admission(
         self, style: str, *, name: str = "default", **config: int
     ) -> AdmissionHandle:
-        msg = CreateAdmission(rid=0, name=name, style=style, config=dict(config))
+        msg = CreateAdmission(rid=0, name=name, style=check_style(style), config=dict(config))
         await self._async(ClientCore.call, msg)
         return AdmissionHandle(self, name, style)
 

@@ -44,7 +44,7 @@ from tqstream.errors import (
 )
 from tqstream.protocol import shm
 from tqstream.protocol.auth import Keys, load_keys
-from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
+from tqstream.protocol.columns import Column
 from tqstream.protocol.connection import Connection, not_a_controller
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
@@ -77,6 +77,7 @@ from tqstream.protocol.messages import (
     Welcome,
 )
 from tqstream.protocol.transport import context
+from tqstream.protocol.wire import column_from_wire, columns_to_wire
 from tqstream.types import BatchMeta, Stats
 
 T = TypeVar("T")

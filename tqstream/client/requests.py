@@ -13,11 +13,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tqstream.client.batch import Window
 from tqstream.client.core import GET_GRACE
-from tqstream.client.versions import FRESH_MASK, check_version, fresh_mask, row_versions
+from tqstream.client.versions import FRESH_MASK, fresh_mask, row_versions
+from tqstream.convert.inputs import columns_from_data
+from tqstream.convert.tensordict import to_tensordict
 from tqstream.errors import BatchShapeError, InvalidRequestError, TagError
-from tqstream.protocol.codec import Column, columns_from_data, to_tensordict
+from tqstream.protocol.columns import Column
 from tqstream.protocol.messages import (
     MAX_TAG_LIST,
     MAX_TAGS,
@@ -29,6 +30,7 @@ from tqstream.protocol.messages import (
     SaveCheckpoint,
     UpsertRows,
 )
+from tqstream.staleness import StalenessPolicy, check_version
 from tqstream.types import BatchMeta, Tags
 
 PadValues = float | Mapping[str, float]
@@ -280,6 +282,25 @@ def encode_fields(meta: BatchMeta, data: Any) -> dict[str, Column]:
     return columns
 
 
+def read_window(
+    staleness: StalenessPolicy | None, max_staleness: int | None, measure: str, on_stale: str
+) -> StalenessPolicy:
+    """The window of a read: ``staleness``, or the policy that the keywords of ``Client.get`` make
+    (where ``on_stale`` is "keep" by default). Both at once are refused, as one would be ignored."""
+    if staleness is None:
+        return StalenessPolicy(max_staleness, measure, on_stale)
+    if not isinstance(staleness, StalenessPolicy):
+        raise InvalidRequestError(
+            f"staleness must be a tqstream.StalenessPolicy, got {type(staleness).__name__}"
+        )
+    if (max_staleness, measure, on_stale) != (None, "head", "keep"):
+        raise InvalidRequestError(
+            "pass the staleness window as staleness=StalenessPolicy(...) or as max_staleness=, "
+            "measure= and on_stale=, not both"
+        )
+    return staleness
+
+
 def get_request(
     partition: str,
     fields: Sequence[str] | str,
@@ -288,12 +309,13 @@ def get_request(
     whole_groups: bool,
     lease_timeout: float | None,
     timeout: float | None,
-    window: Window,
+    current_version: int | None,
+    window: StalenessPolicy,
     versions_field: str = "versions",
 ) -> GetMeta:
     if isinstance(fields, str):
         fields = [fields]
-    check_version(window.current_version, "current_version")
+    current_version = check_version(current_version, "current_version")
     if window.measure == "token":  # the per-token versions come along, to make the mask of
         if FRESH_MASK in fields:
             raise InvalidRequestError(
@@ -310,7 +332,7 @@ def get_request(
         whole_groups=whole_groups,
         lease_timeout=lease_timeout,
         timeout=timeout,
-        current_version=window.current_version,
+        current_version=current_version,
         max_staleness=window.max_staleness,
         measure=window.measure,
         on_stale=window.on_stale,

@@ -14,28 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tqstream.errors import InvalidRequestError, SchemaError
-from tqstream.protocol.codec import Column, FieldSchema
+from tqstream.errors import SchemaError
+from tqstream.protocol.columns import Column
+from tqstream.types import FieldSchema
 
 _INTEGER = {"int8", "int16", "int32", "int64", "uint8"}
-
-
-def check_version(value: object, name: str) -> int | None:
-    """A policy version given to a call (``version=``, ``current_version=``): None or an int >= 0
-    (numpy integers too), else ``InvalidRequestError`` saying what a version is."""
-    if value is None:
-        return None
-    if isinstance(value, np.integer):
-        value = int(value)
-    if type(value) is not int or value < 0:
-        raise InvalidRequestError(
-            f"{name} must be a policy version: an int >= 0 (the trainer's weight version, bumped "
-            f"at each update), or None; got {value!r}",
-            **{name: repr(value)},
-        )
-    return value
-
-
 _NONE = np.iinfo(np.int64).max  # "no generated token" in a row's minimum
 
 

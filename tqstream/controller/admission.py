@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from tqstream.errors import AdmissionError
-
-OUTCOMES = ("accepted", "rejected", "dropped")
+from tqstream.staleness import is_version
+from tqstream.types import AdmissionStyle, check_outcome, check_style
 
 
 class Admission(Protocol):
@@ -55,12 +55,12 @@ def _check_ints(style: str, **config: object) -> None:
 
 
 def _version(version: object) -> int:
-    if not _is_int(version) or version < 0:  # type: ignore[operator]
+    if not is_version(version):
         raise AdmissionError(
             f"policy version must be an int >= 0 (got {version!r}); pass the weight version the "
             f"trainer published"
         )
-    return version  # type: ignore[return-value]
+    return int(version)
 
 
 class _Slots:
@@ -105,10 +105,7 @@ class _Slots:
 
         All ids are checked before anything changes, so a refused call changes nothing.
         """
-        if outcome not in OUTCOMES:
-            raise AdmissionError(
-                f"release outcome must be 'accepted', 'rejected' or 'dropped' (got {outcome!r})"
-            )
+        check_outcome(outcome)
         if _is_int(slot_ids) or isinstance(slot_ids, (str, bytes)):
             raise AdmissionError(f"release needs an iterable of slot ids (got {slot_ids!r})")
         ids = list(slot_ids)
@@ -469,7 +466,7 @@ class PerVersionAdmission(_Slots):
         }
 
 
-_STYLES: dict[str, tuple[Callable[..., Admission], tuple[str, ...], tuple[str, ...]]] = {
+_STYLES: dict[AdmissionStyle, tuple[Callable[..., Admission], tuple[str, ...], tuple[str, ...]]] = {
     "capacity": (
         CapacityAdmission,
         ("max_concurrent", "max_staleness", "consumer_batch_size"),
@@ -482,10 +479,7 @@ _STYLES: dict[str, tuple[Callable[..., Admission], tuple[str, ...], tuple[str, .
 
 def make_admission(style: str, **config: int | None) -> Admission:
     """Build an admission of ``style`` from its config keys; refuses unknown or missing keys."""
-    if style not in _STYLES:
-        valid = ", ".join(repr(s) for s in _STYLES)
-        raise AdmissionError(f"unknown admission style {style!r}; valid styles: {valid}")
-    cls, required, optional = _STYLES[style]
+    cls, required, optional = _STYLES[check_style(style)]
     valid_keys = ", ".join(sorted(required + optional))
     unknown = sorted(set(config) - set(required) - set(optional))
     missing = [k for k in required if k not in config]

@@ -15,7 +15,17 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.partition import Partition
-from tqstream.controller.records import COMPACT_MIN, Effects, Lease, Parked, PendingPut
+from tqstream.controller.records import (
+    COMPACT_MIN,
+    DeadlineKind,
+    Effects,
+    Ended,
+    Lease,
+    LeaseEnd,
+    Parked,
+    PendingPut,
+    PutEnd,
+)
 from tqstream.protocol.messages import Acquire, PreparePut
 
 
@@ -26,9 +36,9 @@ class Deadlines:
     parked: dict[str, dict[Any, Parked]]
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
-    finished_puts: OrderedDict[int, str]
+    finished_puts: OrderedDict[int, PutEnd]
     now: float
-    _deadlines: list[tuple[float, int, str, Any]]
+    _deadlines: list[tuple[float, int, DeadlineKind, Any]]
     _compact_at: int
     _ids: itertools.count[int]
 
@@ -38,14 +48,14 @@ class Deadlines:
         def _evict(
             self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
         ) -> list[Any]: ...
-        def _finish(self, record: OrderedDict[int, str], key: int, status: str) -> None: ...
-        def _end_lease(self, lease: Lease, status: str) -> None: ...
+        def _finish(self, record: OrderedDict[int, Ended], key: int, status: Ended) -> None: ...
+        def _end_lease(self, lease: Lease, status: LeaseEnd) -> None: ...
         def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
         def _timeout_error(self, p: Partition, req: Any) -> Any: ...
         def _acquire_timeout(self, req: Acquire, waited: float) -> Any: ...
         def _capacity_error(self, req: PreparePut, waited: float) -> Any: ...
 
-    def _at(self, deadline: float, kind: str, ref: Any) -> None:
+    def _at(self, deadline: float, kind: DeadlineKind, ref: Any) -> None:
         heapq.heappush(self._deadlines, (deadline, next(self._ids), kind, ref))
         if len(self._deadlines) >= self._compact_at:
             self._compact()
@@ -57,7 +67,7 @@ class Deadlines:
         heapq.heapify(self._deadlines)
         self._compact_at = max(COMPACT_MIN, 2 * len(self._deadlines))
 
-    def _live(self, entry: tuple[float, int, str, Any]) -> bool:
+    def _live(self, entry: tuple[float, int, DeadlineKind, Any]) -> bool:
         deadline, _, kind, ref = entry
         if kind == "lease":
             lease = self.leases.get(ref)

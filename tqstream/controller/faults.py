@@ -25,7 +25,15 @@ from tqstream.controller.admission import Admission
 from tqstream.controller.budget import Budgets
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import Effects, Lease, Parked, PendingPut
+from tqstream.controller.records import (
+    Effects,
+    Ended,
+    Lease,
+    LeaseEnd,
+    Parked,
+    PendingPut,
+    PutEnd,
+)
 from tqstream.controller.units import UnitTable
 from tqstream.protocol.messages import Acquire, PreparePut
 
@@ -41,7 +49,7 @@ class Faults:
     admissions: dict[str, tuple[Admission, str, dict[str, int]]]
     budgets: Budgets
     slot_owners: dict[str, dict[int, Any]]
-    finished_puts: OrderedDict[int, str]
+    finished_puts: OrderedDict[int, PutEnd]
     outbox: Effects
     _ids: itertools.count[int]
 
@@ -51,8 +59,8 @@ class Faults:
         def _evict(
             self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
         ) -> list[Row]: ...
-        def _finish(self, record: OrderedDict[int, str], key: int, status: str) -> None: ...
-        def _end_lease(self, lease: Lease, status: str) -> None: ...
+        def _finish(self, record: OrderedDict[int, Ended], key: int, status: Ended) -> None: ...
+        def _end_lease(self, lease: Lease, status: LeaseEnd) -> None: ...
         def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
         def _serve_parked_puts(self) -> None: ...
         def _wake_acquires(self, name: str) -> None: ...

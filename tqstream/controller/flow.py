@@ -19,7 +19,7 @@ from tqstream.controller.admission import (
 from tqstream.controller.budget import Budgets
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import Effects
+from tqstream.controller.records import DeadlineKind, Effects
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     AdmissionError,
@@ -50,7 +50,7 @@ class FlowControl:
 
     if TYPE_CHECKING:
 
-        def _at(self, deadline: float, kind: str, ref: Any) -> None: ...
+        def _at(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
         def own_slots(self, name: str, slot_ids: list[int], handle: Any) -> None: ...
 
         def prepare_put(

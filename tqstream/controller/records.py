@@ -4,19 +4,17 @@ leases, parked requests, and the version arithmetic of staleness windows. Pure d
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from tqstream.controller.partition import Row
 from tqstream.errors import InvalidRequestError, TQStreamError
 from tqstream.protocol.messages import GetMeta
-from tqstream.types import BatchMeta
-
-MEASURES = ("head", "tail", "dispatch", "token")
+from tqstream.types import BatchMeta, Measure
 
 
-def version_of(r: Row, measure: str) -> int | None:
+def version_of(r: Row, measure: Measure) -> int | None:
     """The version a staleness window compares: head = the oldest generated token's (AReaL's
     bound), tail = the newest's, dispatch = the policy version when generation was requested;
     token = the newest's too (a row is read while any token is inside; the client masks the
@@ -29,12 +27,9 @@ def version_of(r: Row, measure: str) -> int | None:
 
 
 def check_window(req: GetMeta) -> None:
-    if req.measure not in MEASURES:
-        raise InvalidRequestError(
-            f"measure must be one of {', '.join(MEASURES)}, got {req.measure!r}"
-        )
-    if req.on_stale not in ("keep", "drop"):
-        raise InvalidRequestError(f"on_stale must be 'keep' or 'drop', got {req.on_stale!r}")
+    """The window checks left to the controller: a negative bound from a peer that skipped the
+    client's (``StalenessPolicy`` checks them all; a ``measure`` or ``on_stale`` outside its set
+    is refused at decoding), and a bound without a version to place it."""
     if req.max_staleness is not None:
         if req.max_staleness < 0:
             raise InvalidRequestError(f"max_staleness must be >= 0, got {req.max_staleness}")
@@ -44,6 +39,15 @@ def check_window(req: GetMeta) -> None:
                 "window: pass current_version=v"
             )
 
+
+DeadlineKind = Literal["lease", "park", "acquire", "putwait", "put", "ttl"]
+"""What an entry of the state's deadline heap ends: a lease, a parked get, an acquire or a put
+waiting for room, an uncommitted put, the ttl of a partition's rows."""
+LeaseEnd = Literal["acked", "released", "expired", "disconnected", "reset", "cleared"]
+"""How a lease ended (kept a while, to answer an ack that comes after it)."""
+PutEnd = Literal["committed", "aborted", "expired", "cleared", "unit-lost"]
+"""How a put ended (kept a while, to answer a commit or abort that comes after it)."""
+Ended = TypeVar("Ended", LeaseEnd, PutEnd)
 
 FINISHED_LIMIT = 100_000
 COMPACT_MIN = 1024
@@ -124,7 +128,7 @@ class Lease:
     rows: set[int]
     deadline: float
     current_version: int | None = None  # the reader's version, for the lag at consumption
-    measure: str = "head"
+    measure: Measure = "head"
     owner: Any = None  # the reader's peer: its rows go back to available when it disconnects
 
 

@@ -34,10 +34,14 @@ from tqstream.controller.puts import Puts
 from tqstream.controller.records import (
     COMPACT_MIN,
     FINISHED_LIMIT,
+    DeadlineKind,
     Effects,
+    Ended,
     Lease,
+    LeaseEnd,
     Parked,
     PendingPut,
+    PutEnd,
     check_window,
     version_of,
 )
@@ -87,10 +91,10 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.budgets = Budgets()  # StalenessManagers' pooled budgets
         self.pending: dict[int, PendingPut] = {}
         self.leases: dict[int, Lease] = {}
-        self.finished_leases: OrderedDict[int, str] = OrderedDict()
-        self.finished_puts: OrderedDict[int, str] = OrderedDict()
+        self.finished_leases: OrderedDict[int, LeaseEnd] = OrderedDict()
+        self.finished_puts: OrderedDict[int, PutEnd] = OrderedDict()
         self.parked: dict[str, dict[Any, Parked]] = {}
-        self._deadlines: list[tuple[float, int, str, Any]] = []
+        self._deadlines: list[tuple[float, int, DeadlineKind, Any]] = []
         self._compact_at = COMPACT_MIN  # heap size at which ended entries are swept out
         self.slot_owners: dict[str, dict[int, Any]] = {}  # admission -> slot id -> peer
         self._ids = itertools.count(1)
@@ -555,7 +559,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             lease_id=lease_id,
         )
 
-    def _end_lease(self, lease: Lease, status: str) -> None:
+    def _end_lease(self, lease: Lease, status: LeaseEnd) -> None:
         self.leases.pop(lease.lease_id, None)
         self._finish(self.finished_leases, lease.lease_id, status)
 
@@ -626,7 +630,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         return effects
 
     @staticmethod
-    def _finish(record: OrderedDict[int, str], key: int, status: str) -> None:
+    def _finish(record: OrderedDict[int, Ended], key: int, status: Ended) -> None:
         record[key] = status
         if len(record) > FINISHED_LIMIT:
             record.popitem(last=False)

@@ -14,11 +14,15 @@ from typing import Annotated, Any
 import msgspec
 
 from tqstream.types import (
+    AdmissionStyle,
     BatchMeta,
     CheckpointSummary,
     FieldSchema,
+    Measure,
+    OnStale,
     RowListing,
     Scalar,
+    SlotOutcome,
     Stats,
     UnitStats,
 )
@@ -219,8 +223,9 @@ class GetMeta(_Msg, frozen=True, tag="get_meta"):
     timeout: Seconds | None = None
     current_version: int | None = None
     max_staleness: int | None = None
-    measure: str = "head"  # "head" (version_start) | "tail" (version_end) | "dispatch"
-    on_stale: str = "keep"  # "keep" | "drop"
+    # the fields of a StalenessPolicy: head = version_start, tail and token = version_end
+    measure: Measure = "head"
+    on_stale: OnStale = "keep"
 
 
 class GetByKeys(_Msg, frozen=True, tag="get_by_keys"):
@@ -366,7 +371,7 @@ class Publish(_Msg, frozen=True, tag="publish"):
 # --- admission (producer flow control) ---
 class CreateAdmission(_Msg, frozen=True, tag="create_admission"):
     name: str
-    style: str
+    style: AdmissionStyle
     config: dict[str, int]
 
 
@@ -385,7 +390,7 @@ class Acquire(_Msg, frozen=True, tag="acquire"):
 class ReleaseSlots(_Msg, frozen=True, tag="release_slots"):
     name: str
     slot_ids: Ids
-    outcome: str = "accepted"
+    outcome: SlotOutcome = "accepted"
 
 
 class AdmissionVersion(_Msg, frozen=True, tag="admission_version"):

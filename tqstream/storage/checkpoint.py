@@ -22,7 +22,7 @@ import os
 from collections.abc import Awaitable, Callable
 
 from tqstream.errors import CheckpointError, TQStreamError
-from tqstream.protocol.codec import Column
+from tqstream.protocol.columns import Column
 from tqstream.protocol.disk import fsync_dir, in_thread
 from tqstream.protocol.messages import LoadUnit, Ok, SavedFile, SaveUnit, UnitSaved
 from tqstream.storage.chunkfile import Chunk, read_chunks, write_chunks

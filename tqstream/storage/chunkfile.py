@@ -4,8 +4,8 @@ Layout: an 8-byte magic, the header's length (uint64, little-endian), the msgpac
 :class:`FileHeader`, zero padding to a multiple of ``ALIGN``, then each chunk's bytes. A chunk's
 tensors lie at ``ALIGN``-aligned offsets of its own region, described by the same
 :class:`~tqstream.protocol.messages.ColumnRef` s that carry them on the wire (one frame, with
-offsets), so writing and reading reuse the wire codec: no pickle, no per-row objects. Each region
-has a CRC-32, checked when it is read back.
+offsets), so writing and reading reuse the wire encoding (:mod:`tqstream.protocol.wire`): no pickle,
+no per-row objects. Each region has a CRC-32, checked when it is read back.
 
 A chunk is read into a buffer of its own, so a loaded chunk pins only its own bytes, as a chunk
 received from a client does.
@@ -21,9 +21,10 @@ from typing import Any
 import msgspec
 
 from tqstream.errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointVersionError
-from tqstream.protocol.codec import Column, column_from_wire, column_to_wire
+from tqstream.protocol.columns import Column
 from tqstream.protocol.disk import write_durably
 from tqstream.protocol.messages import BufferRef, ColumnRef
+from tqstream.protocol.wire import column_from_wire, column_to_wire
 
 __all__ = ["FORMAT", "Chunk", "read_chunks", "write_chunks"]
 

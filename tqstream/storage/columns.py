@@ -26,7 +26,7 @@ from tqstream.errors import (
     SchemaError,
     UnknownRowError,
 )
-from tqstream.protocol.codec import Column, torch_dtype
+from tqstream.protocol.columns import Column, torch_dtype
 from tqstream.types import FieldSchema
 
 __all__ = ["ColumnStore"]

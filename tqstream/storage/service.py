@@ -47,7 +47,7 @@ from tqstream.errors import (
 )
 from tqstream.protocol import shm
 from tqstream.protocol.auth import load_keys
-from tqstream.protocol.codec import Column, column_from_wire, columns_to_wire
+from tqstream.protocol.columns import Column
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     Columns,
@@ -76,6 +76,7 @@ from tqstream.protocol.messages import (
 )
 from tqstream.protocol.server import Responder, Server
 from tqstream.protocol.transport import error_from_reply, shared_context
+from tqstream.protocol.wire import column_from_wire, columns_to_wire
 from tqstream.storage.checkpoint import UnitCheckpoints
 from tqstream.storage.columns import ColumnStore
 from tqstream.types import FieldSchema, UnitStats

@@ -34,7 +34,7 @@ from tqstream.adapters.areal.experience import (  # noqa: E402  (after the frame
 )
 from tqstream.adapters.areal.staleness import StalenessManager, install  # noqa: E402
 from tqstream.adapters.areal.workflow import ExperienceWorkflow  # noqa: E402
-from tqstream.experience import StalenessPolicy  # noqa: E402
+from tqstream.staleness import StalenessPolicy  # noqa: E402
 
 __all__ = [
     "AREAL_FIELDS",

@@ -20,7 +20,8 @@ from tqstream.adapters.areal.trajectory import MASK, Rows, regroup, to_rows
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
 from tqstream.errors import InvalidRequestError, SchemaError
-from tqstream.experience import Experience, ExperienceBatch, StalenessPolicy
+from tqstream.experience import Experience, ExperienceBatch
+from tqstream.staleness import StalenessPolicy
 from tqstream.types import BatchMeta
 
 if TYPE_CHECKING:

@@ -31,6 +31,7 @@ from tqstream.client.budget import BudgetMember
 from tqstream.client.client import Client
 from tqstream.config import AREAL_BUDGET_ENV, environment
 from tqstream.errors import AdmissionError, ClosedError, InvalidRequestError
+from tqstream.staleness import is_version
 
 __all__ = ["StalenessManager", "install"]
 
@@ -112,12 +113,12 @@ class StalenessManager(_AReaLStalenessManager):  # type: ignore[misc]
 
     def _version(self) -> int:
         version = self.version_provider.get_version()
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        if not is_version(version):
             raise InvalidRequestError(
                 f"version_provider.get_version() returned {version!r}; the staleness bound needs "
                 f"the current policy version (an int >= 0): set it with engine.set_version(v)"
             )
-        return version
+        return int(version)
 
     def _check_open(self) -> None:
         if self.budget._left:
@@ -146,7 +147,7 @@ class StalenessManager(_AReaLStalenessManager):  # type: ignore[misc]
     def on_version_recovered(self, version: int) -> None:
         """Restarted from the checkpoint of ``version``: this manager's ``accepted`` becomes
         ``version * max(1, consumer_batch_size)``, as in AReaL; the budget's is every member's."""
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        if not is_version(version):
             raise InvalidRequestError(
                 f"on_version_recovered needs the recovered policy version (an int >= 0), got "
                 f"{version!r}"
@@ -154,7 +155,7 @@ class StalenessManager(_AReaLStalenessManager):  # type: ignore[misc]
         self._check_open()
         b = self.budget
         with b.lock:
-            b.accepted = version * max(1, self.consumer_batch_size)
+            b.accepted = int(version) * max(1, self.consumer_batch_size)
         b.report()
 
     # --- AReaL's callbacks: counted here, reported in the background ---

@@ -26,6 +26,7 @@ from areal.utils.data import concat_padded_tensors
 from tqstream.adapters.areal.experience import ArealExperience
 from tqstream.adapters.areal.staleness import StalenessManager
 from tqstream.errors import InvalidRequestError, SchemaError
+from tqstream.staleness import is_version
 
 __all__ = ["ExperienceWorkflow"]
 
@@ -33,13 +34,13 @@ __all__ = ["ExperienceWorkflow"]
 def _policy_version(engine: Any) -> int:
     get = getattr(engine, "get_version", None)
     version = get() if callable(get) else None
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not is_version(version):
         raise InvalidRequestError(
             f"the inference engine passed to arun_episode gave policy version {version!r}; the "
-            f"wrapper stores each trajectory under engine.get_version() (an int): call "
+            f"wrapper stores each trajectory under engine.get_version() (an int >= 0): call "
             f"engine.set_version(v) after each weight update"
         )
-    return version
+    return int(version)
 
 
 def _as_tensors(traj: Any) -> Any:

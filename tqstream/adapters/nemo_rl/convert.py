@@ -17,8 +17,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tqstream.adapters.nemo_rl.config import TQStreamDataPlaneConfig
 from tqstream.adapters.nemo_rl.errors import FieldTypeError
+from tqstream.convert.inputs import columns_from_data
 from tqstream.errors import InvalidRequestError, SchemaError
-from tqstream.protocol.codec import columns_from_data
 
 __all__ = ["check_names", "densify", "put_fields", "put_tags", "row_metadata"]
 
@@ -87,7 +87,7 @@ def put_fields(fields: Any, config: TQStreamDataPlaneConfig) -> TensorDictBase |
         if isinstance(value, torch.Tensor) or (
             isinstance(value, TensorDictBase) and not isinstance(value, _NON_TENSOR)
         ):
-            continue  # tensors; nested TensorDicts are refused by the codec, with its message
+            continue  # tensors; nested TensorDicts are refused by the put, with its message
         if config.non_tensor_fields == "reject":
             raise FieldTypeError(
                 f"field {name!r} is a non-tensor leaf ({type(value).__name__}) and this data "
@@ -95,7 +95,7 @@ def put_fields(fields: Any, config: TQStreamDataPlaneConfig) -> TensorDictBase |
                 f"tensor, or set non_tensor_fields: store",
                 field=name,
             )
-        try:  # the codec's own rules, so the check never disagrees with the put
+        try:  # the put's own rules, so the check never disagrees with the put
             columns_from_data({name: value})
         except SchemaError as exc:
             raise FieldTypeError(

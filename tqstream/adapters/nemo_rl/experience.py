@@ -20,7 +20,7 @@ from tensordict import TensorDict
 from tqstream.adapters.nemo_rl.client import LENGTHS_TAG, TQStreamDataPlaneClient
 from tqstream.adapters.nemo_rl.compat import KVBatchMeta
 from tqstream.adapters.nemo_rl.convert import check_names, densify
-from tqstream.experience import StalenessPolicy
+from tqstream.staleness import StalenessPolicy
 
 __all__ = ["NemoRLExperience"]
 
@@ -86,12 +86,7 @@ class NemoRLExperience:
         names = self.fields if fields is None else check_names(fields, "fields", empty_ok=False)
         window: dict[str, Any] = {}
         if self.staleness.max_staleness is not None:
-            window = {
-                "current_version": current_version,
-                "max_staleness": self.staleness.max_staleness,
-                "measure": self.staleness.measure,
-                "on_stale": self.staleness.on_stale,
-            }
+            window = {"current_version": current_version, "staleness": self.staleness}
         dp = self.data_plane
         lease = dp._claim(
             self.partition_id, names, count, self.task, whole_groups=whole_groups,

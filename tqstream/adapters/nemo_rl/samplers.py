@@ -7,8 +7,8 @@ the rollout pump may dispatch the next batch (``admit``). Here the data plane is
 - a prompt group is the rows of one ``put_samples`` with keys ``{uid}_g{i}`` (their group) and the
   tag ``weight_version`` (their head version: the weights the rollout started with);
 - ``select`` leases whole groups inside the window with one controller request
-  (``get_meta(whole_groups=True, current_version=W, max_staleness=s, measure="head",
-  on_stale="drop")``), oldest first, up to ``max_prompt_groups`` and at least
+  (``get_meta(whole_groups=True, current_version=W, staleness=StalenessPolicy(s,
+  measure="head", on_stale="drop"))``), oldest first, up to ``max_prompt_groups`` and at least
   ``min_prompt_groups``; the rows stay readable by key until the trainer clears them, and come
   back if the trainer dies first;
 - ``evict``: the window reads drop groups older than ``W - s`` at the controller, counted in
@@ -35,6 +35,7 @@ from tqstream.adapters.nemo_rl.compat import KVBatchMeta
 from tqstream.adapters.nemo_rl.errors import ConfigError
 from tqstream.client.admission import AdmissionHandle
 from tqstream.errors import InvalidRequestError, RequestTimeoutError, UnknownPartitionError
+from tqstream.staleness import StalenessPolicy
 from tqstream.types import BatchMeta
 
 __all__ = ["ReadyFirstSampler", "WindowedSampler", "create_sampler"]
@@ -268,14 +269,10 @@ class WindowedSampler(_Sampler):
             )
         super().__init__(data_plane, **options)
         self.max_staleness_versions = max_staleness_versions
+        self.staleness = StalenessPolicy(max_staleness_versions, measure="head", on_stale="drop")
 
     def _window(self, version: int) -> dict[str, Any]:
-        return {
-            "current_version": version,
-            "max_staleness": self.max_staleness_versions,
-            "measure": "head",
-            "on_stale": "drop",
-        }
+        return {"current_version": version, "staleness": self.staleness}
 
     def _eviction_window(self) -> int:
         return self.max_staleness_versions

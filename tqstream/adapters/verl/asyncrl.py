@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tqstream.adapters.verl.groups import check_version
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
-from tqstream.experience import Experience, ExperienceBatch, StalenessPolicy
+from tqstream.experience import Experience, ExperienceBatch
+from tqstream.staleness import StalenessPolicy
 from tqstream.types import BatchMeta
 
 __all__ = ["AsyncRLExperience"]
@@ -73,7 +73,6 @@ class AsyncRLExperience:
         """Store ``data`` (field -> ``[B, ...]`` tensor, or lists of per-row tensors) generated
         under ``current_version``; ``group``/``groups``/``group_size`` as in
         ``Experience.put_experience`` (members of one group must agree on fields)."""
-        check_version(current_version)
         return self.experience.put_experience(
             data, current_version, group=group, groups=groups, group_size=group_size,
             dispatch_version=dispatch_version, slots=slots, timeout=timeout,
@@ -85,7 +84,6 @@ class AsyncRLExperience:
         dispatch_version: Versions = None, slots: Sequence[int] | None = None,
         timeout: float | None = None,
     ) -> BatchMeta:  # fmt: skip
-        check_version(current_version)
         return await self.experience.async_put_experience(
             data, current_version, group=group, groups=groups, group_size=group_size,
             dispatch_version=dispatch_version, slots=slots, timeout=timeout,
@@ -97,7 +95,6 @@ class AsyncRLExperience:
         """``experience_count`` rows inside the window, oldest first (whole groups), as
         ``{column: tensor or list}``; consumed (acked) once delivered. Waits up to ``timeout``
         seconds (None: forever), then ``RequestTimeoutError`` saying how many rows were stale."""
-        check_version(current_version, "trainer")
         batch = self.experience.get_experience(
             experience_count, current_version, task=self.task_name, timeout=timeout
         )
@@ -107,7 +104,6 @@ class AsyncRLExperience:
     async def async_get_experience(
         self, experience_count: int, current_version: int, *, timeout: float | None = None
     ) -> dict[str, Any]:
-        check_version(current_version, "trainer")
         batch = await self.experience.async_get_experience(
             experience_count, current_version, task=self.task_name, timeout=timeout
         )

@@ -44,7 +44,7 @@ from tqstream.adapters.verl.layout import (
 )
 from tqstream.adapters.verl.objects import encode_headed_rows
 from tqstream.errors import BatchShapeError, InvalidRequestError, SchemaError
-from tqstream.protocol.codec import dtype_name
+from tqstream.protocol.columns import dtype_name
 
 __all__ = ["RowBatch", "dataproto_to_rows", "stored_dense", "stored_fields"]
 

@@ -16,13 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows, stored_fields
-from tqstream.adapters.verl.groups import check_version
 from tqstream.adapters.verl.layout import LAYOUT_FIELD
 from tqstream.adapters.verl.rebuild import rows_to_dataproto
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
 from tqstream.errors import InvalidRequestError
-from tqstream.experience import Experience, ExperienceBatch, StalenessPolicy
+from tqstream.experience import Experience, ExperienceBatch
+from tqstream.staleness import StalenessPolicy, check_version
 from tqstream.types import BatchMeta
 
 __all__ = ["VerlBatch", "VerlExperience"]
@@ -102,7 +102,7 @@ class VerlExperience:
 
     # --- producers ---
     def _rows(self, data: Any, version: object, group_size: int | None) -> RowBatch:
-        check_version(version)
+        check_version(version, "current_version", optional=False)
         rows = dataproto_to_rows(
             data, response_fields=self.response_fields, pad_token_id=self.pad_token_id
         )
@@ -175,7 +175,6 @@ class VerlExperience:
         """Lease the ``count`` oldest rows inside the window (whole ``uid`` groups by default) as
         one ``DataProto``; waits up to ``timeout`` seconds (None: forever). If the rows cannot be
         turned into a ``DataProto``, their lease is released and the error raised."""
-        check_version(current_version, "trainer")
         part = None
         if self._need_stats(fields):
             part = self.client.stats(self.partition).partitions.get(self.partition)
@@ -195,7 +194,6 @@ class VerlExperience:
         fields: Sequence[str] | None = None, whole_groups: bool = True,
         timeout: float | None = None,
     ) -> VerlBatch:  # fmt: skip
-        check_version(current_version, "trainer")
         part = None
         if self._need_stats(fields):
             part = (await self.client.async_stats(self.partition)).partitions.get(self.partition)

@@ -173,7 +173,7 @@ def merge_layouts(layouts: Sequence[tuple[Layout, tuple[Any] | None]]) -> Merged
     did not come from one kind of ``DataProto``. Rows of ``DataProto``s without rows add only
     their ``meta_info``, unless nothing else was read.
     """
-    from tqstream.protocol.codec import torch_dtype
+    from tqstream.protocol.columns import torch_dtype
 
     metas = [meta[0] for _, meta in layouts if meta is not None]
     rows = [i for i, (lay, _) in enumerate(layouts) if lay.empty is None]

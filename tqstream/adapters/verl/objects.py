@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from tqstream.errors import MalformedMessageError, SchemaError
-from tqstream.protocol.codec import dtype_name, jagged, torch_dtype
+from tqstream.protocol.columns import dtype_name, jagged, torch_dtype
 
 __all__ = ["decode_rows", "encode_headed_rows", "encode_rows", "pack", "unpack"]
 

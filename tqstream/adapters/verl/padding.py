@@ -118,7 +118,7 @@ def strip(t: torch.Tensor, keep: torch.Tensor, offsets: torch.Tensor) -> torch.T
     """The rows of ``t`` (``[B, W, ...]``) without the positions ``keep`` (``[B, W]``) drops, as a
     jagged nested tensor over one gather for the batch; ``offsets``: of the rows ``keep`` leaves
     (:func:`offsets_of` its row sums)."""
-    from tqstream.protocol.codec import jagged
+    from tqstream.protocol.columns import jagged
 
     return jagged(t.masked_select(keep) if t.ndim == 2 else t[keep], offsets)
 

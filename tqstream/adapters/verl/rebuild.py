@@ -30,7 +30,7 @@ from tqstream.adapters.verl.layout import (
 from tqstream.adapters.verl.objects import decode_rows
 from tqstream.client.client import Batch
 from tqstream.errors import InvalidRequestError, MalformedMessageError, SchemaError
-from tqstream.protocol.codec import jagged, torch_dtype
+from tqstream.protocol.columns import jagged, torch_dtype
 
 __all__ = ["rows_to_dataproto"]
 

@@ -22,7 +22,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tqstream.errors import BatchShapeError, SchemaError
-from tqstream.protocol.codec import jagged
+from tqstream.protocol.columns import jagged
 from tqstream.types import FieldSchema
 
 __all__ = ["batch_size_of", "field_meta", "from_tqstream", "to_tqstream"]

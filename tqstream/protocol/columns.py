@@ -1,0 +1,230 @@
+"""Columns: the one form a field's values take in memory, in storage and on the wire.
+
+A :class:`Column` holds one field for a run of rows as at most two contiguous CPU tensors:
+``values`` and, for ragged and object fields, int64 ``offsets`` (row ``i`` is
+``values[offsets[i]:offsets[i + 1]]``). Object fields are Arrow large-binary data (each row's bytes
+back to back), so no Python object per row lives between ``put`` and the reader's
+``to_tensordict``, and nothing is pickled: a column travels as a :class:`ColumnRef` in the msgpack
+header plus one or two raw frames (:mod:`tqstream.protocol.wire`).
+
+This module holds the column type and what it needs (the dtype tables, zero-copy tensors over
+buffers, jagged nested tensors over values/offsets) and nothing about user formats, so a storage
+unit imports it without the conversion code: building columns from a put's input is
+:mod:`tqstream.convert.inputs`, turning them into a TensorDict :mod:`tqstream.convert.tensordict`.
+
+Buffer lifetimes: a column never copies what it can alias. Columns built from a put alias the
+caller's tensors (the caller must not mutate them until the put returns); columns received with
+:func:`~tqstream.protocol.wire.column_from_wire` alias the message frames (each tensor keeps its
+frame alive); slices alias their parent. All of them are therefore *read-only by contract*: writing
+into one writes into a zmq frame, a storage chunk or the caller's tensor. Clone before mutating.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tqstream.errors import MalformedMessageError, SchemaError, TQStreamError
+from tqstream.types import FieldSchema
+
+__all__ = [
+    "DTYPES",
+    "JAGGED_CLASS",
+    "KNOWN_DTYPES",
+    "WIRE_NAMES",
+    "Column",
+    "dtype_name",
+    "field_error",
+    "frombuffer",
+    "jagged",
+    "torch_dtype",
+]
+
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+)  # fmt: skip
+DTYPES = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}  # uint16+: torch>=2.3
+"""The torch dtype of each wire name."""
+WIRE_NAMES: dict[torch.dtype, str] = {dt: n for n, dt in DTYPES.items()}
+"""The wire name of each supported torch dtype."""
+KNOWN_DTYPES = ", ".join(DTYPES)
+"""The wire names, listed for error messages."""
+_I64 = torch.int64
+
+
+def _jagged_class() -> Any:
+    """The class of jagged nested tensors (``layout=torch.jagged``); None in a torch that moved
+    it (then every nested tensor is encoded row by row)."""
+    try:
+        from torch.nested._internal.nested_tensor import NestedTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return NestedTensor
+
+
+JAGGED_CLASS = _jagged_class()
+
+
+def field_error(cls: type[TQStreamError], name: str, message: str, **details: Any) -> TQStreamError:
+    """An error of class ``cls`` about field ``name``: ``field 'name': message``."""
+    return cls(f"field {name!r}: {message}", field=name, **details)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    if dtype not in WIRE_NAMES:
+        raise SchemaError(
+            f"unsupported dtype {dtype}; cast to one of {KNOWN_DTYPES}", dtype=str(dtype)
+        )
+    return WIRE_NAMES[dtype]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name; an unknown name means a malformed or foreign message."""
+    if name not in DTYPES:
+        raise MalformedMessageError(
+            f"unknown dtype name {name!r} on the wire; expected one of {KNOWN_DTYPES} (is the peer "
+            "running another tqstream or torch version?)",
+            dtype=name,
+        )
+    return DTYPES[name]
+
+
+def _offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(lengths.shape[0] + 1, dtype=_I64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Column:
+    """One field for ``n_rows`` rows; see the module docstring for layout and lifetimes.
+
+    dense: ``values`` ``[n, *shape]``, ``offsets`` None. ragged: ``values`` ``[sum L_i, *shape]``.
+    object: ``values`` uint8 (Arrow large-binary data). Ragged and object: ``offsets`` int64
+    ``[n + 1]``, from 0, nondecreasing, ending at ``values.shape[0]`` (the builders of
+    :mod:`tqstream.convert.inputs` and :func:`~tqstream.protocol.wire.column_from_wire` guarantee
+    it; ``__post_init__`` only checks the O(1) parts).
+    """
+
+    schema: FieldSchema
+    values: torch.Tensor
+    offsets: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.schema.kind == "dense") != (self.offsets is None):
+            raise ValueError(f"{self.schema.kind} column: offsets must be given iff not dense")
+        if self.offsets is not None and (self.offsets.dtype != _I64 or self.offsets.ndim != 1):
+            raise ValueError("column offsets must be a 1-D int64 tensor")
+
+    @property
+    def n_rows(self) -> int:
+        return self.values.shape[0] if self.offsets is None else self.offsets.shape[0] - 1
+
+    @property
+    def nbytes(self) -> int:
+        size = self.values.numel() * self.values.element_size()
+        return size if self.offsets is None else size + self.offsets.numel() * 8
+
+    def clone(self) -> Column:
+        """The same column in memory of its own."""
+        offsets = None if self.offsets is None else self.offsets.clone()
+        return Column(self.schema, self.values.clone(), offsets)
+
+    def slice(self, start: int, stop: int) -> Column:
+        """Rows ``[start, stop)``; ``values`` is a view (zero copy), offsets are rebased to 0."""
+        n = self.n_rows
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"rows [{start}, {stop}) out of range for a column of {n} rows")
+        if start == 0 and stop == n:  # offsets start at 0 already
+            return self
+        if self.offsets is None:
+            return Column(self.schema, self.values[start:stop])
+        offsets = self.offsets[start : stop + 1]
+        lo, hi = int(offsets[0]), int(offsets[-1])
+        return Column(self.schema, self.values[lo:hi], offsets - lo if lo else offsets)
+
+    def take(self, index: torch.Tensor | Sequence[int]) -> Column:
+        """Rows ``index`` in that order (repeats allowed), gathered with one copy of the data."""
+        index = torch.as_tensor(index, dtype=_I64)
+        n = self.n_rows
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n):
+            raise IndexError(f"row index out of range for a column of {n} rows")
+        if self.offsets is None:
+            return Column(self.schema, self.values.index_select(0, index))
+        starts = self.offsets.index_select(0, index)
+        lengths = self.offsets.index_select(0, index + 1) - starts
+        offsets = _offsets_from_lengths(lengths)
+        total = int(offsets[-1])
+        # the source of every output value: its row's start + its position inside the row
+        shift = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=total)
+        source = shift + torch.arange(total, dtype=_I64)
+        return Column(self.schema, self.values.index_select(0, source), offsets)
+
+    @staticmethod
+    def concat(columns: Sequence[Column]) -> Column:
+        """The rows of ``columns`` in order: one copy (none for a single column)."""
+        if not columns:
+            raise ValueError("Column.concat needs at least one column")
+        first = columns[0]
+        if len(columns) == 1:
+            return first
+        for other in columns[1:]:
+            if other.schema != first.schema:
+                raise SchemaError(
+                    f"cannot concatenate a {other.schema.describe()} column to a "
+                    f"{first.schema.describe()} column: the rows of one field share one schema"
+                )
+        values = torch.cat([c.values for c in columns])
+        if first.offsets is None:
+            return Column(first.schema, values)
+        parts: list[torch.Tensor] = []
+        base = 0
+        for c in columns:
+            assert c.offsets is not None
+            parts.append(c.offsets[1:] + base if parts else c.offsets)
+            base += c.values.shape[0]
+        return Column(first.schema, values, torch.cat(parts))
+
+
+_READONLY_SEEN = False
+"""Whether torch has been handed a read-only buffer in this process (see ``frombuffer``)."""
+
+
+def frombuffer(buffer: Any, dtype: torch.dtype, count: int = -1) -> torch.Tensor:
+    """``torch.frombuffer`` (the tensor keeps ``buffer`` alive), also for zero-byte buffers.
+
+    Read-only buffers (received frames) are expected, columns being read-only by contract, so
+    torch's non-writable-buffer warning is silenced. torch emits it once per process, so only the
+    first read-only buffer needs the (costly, process-wide) warning filter; this also hides the
+    warning from later, unrelated ``frombuffer`` calls.
+    """
+    global _READONLY_SEEN
+    if count == 0 or buffer is None:
+        return torch.empty(0, dtype=dtype)
+    view = memoryview(buffer)
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    if _READONLY_SEEN or not view.readonly:
+        return torch.frombuffer(buffer, dtype=dtype, count=count)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        t = torch.frombuffer(buffer, dtype=dtype, count=count)
+    _READONLY_SEEN = True
+    return t
+
+
+def jagged(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """A jagged nested tensor over ``values`` / ``offsets`` (zero copy), what
+    ``torch.nested.nested_tensor_from_jagged`` gives, built directly: torch's function goes through
+    its dispatcher to make the result an autograd view of ``values`` (~220 µs a field against
+    ~55 µs), which rows read from storage never need, and logs a warning about torch's own
+    internals on its first call."""
+    if JAGGED_CLASS is None:  # pragma: no cover - a torch that moved the class
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return JAGGED_CLASS(values, offsets)
