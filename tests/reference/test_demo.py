@@ -25,6 +25,9 @@ def _demo(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPr
 def test_demo_command_writes_its_summary_and_plot(tmp_path: Path) -> None:
     out = _demo("--steps", "6", "--out", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
+    # the workers and their threads end quietly (no C++ terminate, no thread's traceback)
+    for noise in ("terminate called", "Traceback", "Exception in thread"):
+        assert noise not in out.stderr, out.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("steps", "reward_first", "reward_last", "max_lag", "produced", "trained",
                 "dropped", "left", "eval_untrained", "eval_first", "eval_last",

@@ -49,6 +49,8 @@ def test_a_few_steps_end_to_end(update_mode: str) -> None:
         ({"engine": "jax"}, "unknown engine 'jax'; use 'torch' or 'vllm'"),
         ({"update_mode": "wait"}, "update_mode must be 'keep' or 'abort', got 'wait'"),
         ({"max_restarts": -1}, "max_restarts must be 0 or more, got -1"),
+        ({"admission_slack": -1}, "admission_slack must be 0 or more, got -1"),
+        ({"lr_schedule": "step"}, "lr_schedule must be 'cosine' or 'constant', got 'step'"),
         ({"measure": "tail"}, "measure must be 'head' or 'token', got 'tail'"),
         ({"epochs": 0}, "prompts_per_rollout and epochs must be 1 or more, warmup_steps 0 or more"),
         ({"eval_problems": 0}, "eval_every must be 0 or more, eval_problems 1 or more"),
@@ -60,6 +62,19 @@ def test_configurations_that_cannot_run_are_refused_before_anything_starts(
     with pytest.raises(PipelineError) as info:
         run(PipelineConfig(**fields))
     assert str(info.value) == message
+
+
+def test_the_token_measure_trains_only_tokens_inside_the_window() -> None:
+    # rollouts may run a version further ahead than the window (admission_slack), and aborted
+    # generations resume under new weights: trajectories span versions, some beyond the window
+    config = PipelineConfig(steps=6, workers=2, batch_groups=2, group_size=4, max_staleness=1,
+                            admission_slack=1, update_mode="abort", measure="token",
+                            timeout=90.0, warmup_steps=5)  # fmt: skip
+    summary = run(config)
+    assert [s.version for s in summary.history] == list(range(1, 7))
+    assert summary.max_lag <= config.max_staleness  # of the tokens trained on
+    assert summary.tokens_masked >= 0 and summary.trained == 6 * 2 * 4
+    assert summary.produced == summary.trained + summary.dropped + summary.left
 
 
 def _rollout_workers() -> list:
@@ -106,7 +121,11 @@ def test_more_deaths_than_max_restarts_fail_the_run() -> None:
 def test_a_seeded_run_learns_the_task_through_tqstream() -> None:
     # the demo's settings, 150 steps: after the format warm start the held-out exact-match is
     # still ~0; what the policy learns beyond, it learns from the reward
-    summary = run(PipelineConfig(steps=150, seed=0, timeout=90.0, eval_every=50))
+    # (a constant learning rate: the demo's decays over its 300 steps, which over 150 would
+    # leave the second half learning at half the rate and less)
+    summary = run(
+        PipelineConfig(steps=150, seed=0, timeout=90.0, eval_every=50, lr_schedule="constant")
+    )
     assert summary.eval_untrained <= 0.1 and summary.eval_first <= 0.3, summary
     assert summary.reward_last > summary.reward_first + 0.3, summary
     assert summary.eval_last >= 0.3, summary

@@ -60,3 +60,34 @@ def test_a_loss_that_is_not_finite_stops_the_step() -> None:
         trainer.step(one, one, [torch.tensor([-1.0, -1.0])], [torch.tensor([0, 0])],
                      torch.tensor([float("nan")]), ["g"])  # fmt: skip
     assert trainer.version == 0
+
+
+def test_tokens_outside_the_fresh_mask_stay_out_of_the_update() -> None:
+    engine = TorchEngine(tiny_model(VOCAB, seed=1), eos_id=-1, pad_id=0, seed=0)
+    prompt = [5, 6, 7]
+    outs = engine.generate([prompt] * 4, max_new_tokens=5)
+    prompts = [torch.tensor(prompt)] * 4
+    responses = [torch.tensor(o.tokens) for o in outs]
+    behav = [torch.tensor(o.logprobs) for o in outs]
+    # a partial rollout: the first two tokens of every trajectory under version 0, the rest under 2
+    versions = [torch.tensor([0, 0, 2, 2, 2]) for _ in outs]
+    fresh = [torch.tensor([False, False, True, True, True]) for _ in outs]
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+
+    def trained(behav: list[torch.Tensor], fresh: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        trainer = PPOTrainer(tiny_model(VOCAB, seed=1), pad_id=0, lr=3e-3, epochs=2)
+        trainer.version = 3
+        stats = trainer.step(prompts, responses, behav, versions, rewards, ["g"] * 4, fresh=fresh)
+        # by the oldest token it learns from: sampled at 0 (or at 2 once masked), trained at 3
+        assert stats["lag_counts"] == ({1: 4} if fresh is not None and not fresh[0][0] else {3: 4})
+        return [p.detach().clone() for p in trainer.model.parameters()]
+
+    masked = trained(behav, fresh)
+    # what the masked tokens' behaviour logprobs say cannot matter: they are not in the loss
+    garbage = [torch.cat([torch.full((2,), -30.0), b[2:]]) for b in behav]
+    assert all(torch.equal(a, b) for a, b in zip(masked, trained(garbage, fresh), strict=True))
+    # without the mask they do
+    unmasked = trained(behav, None)
+    assert any(not torch.equal(a, b) for a, b in zip(masked, unmasked, strict=True))
+    everything = [torch.ones(5, dtype=torch.bool) for _ in outs]
+    assert all(torch.equal(a, b) for a, b in zip(unmasked, trained(behav, everything), strict=True))

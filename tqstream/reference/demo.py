@@ -112,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
         "updates are masked out of the loss) (default: %(default)s)",
     )
     p.add_argument(
+        "--admission-slack",
+        type=_count(0),
+        default=0,
+        help="versions beyond --max-staleness the admission lets rollouts run ahead: more "
+        "overlap of generation and training, and more for the window to drop or mask "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--proximal",
         choices=["recompute", "loglinear"],
         default="recompute",
@@ -149,13 +157,14 @@ def _missing() -> list[str]:
     return [name for name in _NEEDS if not found(name)]
 
 
-def _config(args: argparse.Namespace, max_staleness: int) -> Any:
+def _config(args: argparse.Namespace, max_staleness: int, slack: int) -> Any:
     from tqstream.reference.pipeline import PipelineConfig
 
     return PipelineConfig(
         steps=args.steps, workers=args.workers, max_staleness=max_staleness,
         update_mode=args.update_mode, proximal=args.proximal, lr=args.lr, seed=args.seed,
         engine=args.engine, sync_interval=args.sync_interval, measure=args.measure,
+        admission_slack=slack,
     )  # fmt: skip
 
 
@@ -242,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[tuple[str, Any, Any]] = []
     if args.compare:
-        base = _config(args, 0)
+        base = _config(args, 0, 0)  # synchronous: nothing runs ahead
         runs.append(("synchronous", base, _run(base, args.quiet, _title(args, base, "1/2 "))))
-    config = _config(args, args.max_staleness)
+    config = _config(args, args.max_staleness, args.admission_slack)
     label = "asynchronous" if config.max_staleness else "synchronous"
     title = _title(args, config, "2/2 " if args.compare else "")
     runs.append((label, config, _run(config, args.quiet, title)))

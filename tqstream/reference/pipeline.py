@@ -72,6 +72,10 @@ class PipelineConfig:
     max_staleness: int = 2
     """A trajectory whose oldest token is more versions behind than this is dropped, not trained on;
     0 is the synchronous baseline."""
+    admission_slack: int = 0
+    """Versions beyond ``max_staleness`` the admission lets rollouts run ahead: 0 keeps the heads
+    of trajectories inside the window (little is ever stale); more overlaps generation and training
+    further, and the window then drops (head) or masks (token) what comes out stale."""
     sync_interval: int = 1
     """Steps between two weight syncs; needs ``max_staleness >= sync_interval - 1``."""
     engine: str = "torch"
@@ -85,6 +89,10 @@ class PipelineConfig:
     """Tokens a completion may have: the answer's digits and the end of sequence."""
     temperature: float = 1.0
     lr: float = 3e-4
+    """The learning rate of the first step."""
+    lr_schedule: str = "cosine"
+    """"cosine": the learning rate decays to 0 over ``steps`` (a solved policy is not shaken
+    apart late on); "constant": it stays ``lr`` (a short run learns more in its steps)."""
     epochs: int = 8
     """Optimizer steps per batch (PPO's passes over it)."""
     entropy_coef: float = 0.005
@@ -120,6 +128,8 @@ class PipelineConfig:
             raise PipelineError("eval_every must be 0 or more, eval_problems 1 or more")
         if self.max_staleness < 0:
             raise PipelineError(f"max_staleness must be 0 or more, got {self.max_staleness}")
+        if self.admission_slack < 0:
+            raise PipelineError(f"admission_slack must be 0 or more, got {self.admission_slack}")
         if self.sync_interval < 1:
             raise PipelineError(f"sync_interval must be 1 or more, got {self.sync_interval}")
         if self.max_staleness < self.sync_interval - 1:
@@ -134,6 +144,10 @@ class PipelineConfig:
             raise PipelineError(f"unknown engine {self.engine!r}; use 'torch' or 'vllm'")
         if self.update_mode not in ("keep", "abort"):
             raise PipelineError(f"update_mode must be 'keep' or 'abort', got {self.update_mode!r}")
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise PipelineError(
+                f"lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}"
+            )
         if self.measure not in ("head", "token"):
             raise PipelineError(f"measure must be 'head' or 'token', got {self.measure!r}")
         if self.backend not in ("gloo", "nccl"):
@@ -211,7 +225,8 @@ def _per_rollout(config: PipelineConfig) -> int:
 def _admission_config(config: PipelineConfig) -> dict[str, int]:
     rows = config.batch_groups * config.group_size
     running = config.workers * config.group_size * _per_rollout(config)
-    return {"max_concurrent": running, "max_staleness": config.max_staleness,
+    return {"max_concurrent": running,
+            "max_staleness": config.max_staleness + config.admission_slack,
             "consumer_batch_size": rows}  # fmt: skip
 
 
@@ -518,6 +533,13 @@ def run(
         warm_start(trainer, tok, config.warmup_steps, random.Random(config.seed))
         warm_seconds = time.perf_counter() - warm
         eval_first = evaluate(model, tok, held, config.max_new_tokens)
+        # the learning rate decays to 0 over the run (cosine): a solved policy is not shaken
+        # apart late by the few groups that still tell samples apart (Adam's normalised steps)
+        schedule = (
+            torch.optim.lr_scheduler.CosineAnnealingLR(trainer.optimizer, config.steps)
+            if config.lr_schedule == "cosine"
+            else torch.optim.lr_scheduler.ConstantLR(trainer.optimizer, factor=1.0)
+        )
         hub.wait_members(config.workers)
         sync = hub.send(model.state_dict(), trainer.version)
         rl_start = time.perf_counter() - t0
@@ -555,6 +577,7 @@ def run(
                 list(batch["logprobs"].unbind()), list(batch["versions"].unbind()),
                 batch["rewards"], meta.groups, fresh=fresh,
             )  # fmt: skip
+            schedule.step()
             data.ack(batch)
             trained += len(meta.row_ids)
             masked += meta.tokens_masked

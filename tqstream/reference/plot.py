@@ -38,7 +38,7 @@ def plot(runs: list[tuple[str, Any]], path: Path) -> None:
     by_step.scatter([0], [main.eval_untrained], marker="x", color="tab:red", zorder=3,
                     label=f"random model: {main.eval_untrained:.2f}")  # fmt: skip
     by_step.annotate(f"after the format\nwarm start: {main.eval_first:.2f}", (0, main.eval_first),
-                     xytext=(12, 28), textcoords="offset points", fontsize=8,
+                     xytext=(12, 70), textcoords="offset points", fontsize=8,
                      arrowprops={"arrowstyle": "->", "lw": 0.6})  # fmt: skip
     by_step.set(xlabel="trainer step", ylabel="reward / exact-match", ylim=(-0.02, 1.02),
                 title=f"learning ({name})")  # fmt: skip
@@ -74,7 +74,9 @@ def plot(runs: list[tuple[str, Any]], path: Path) -> None:
     lags.set(xlabel="version lag of a trained trajectory (oldest token)",
              ylabel="share of trajectories", title="staleness of the training data")  # fmt: skip
     lags.xaxis.set_major_locator(MaxNLocator(integer=True))
-    lags.legend(loc="upper right", fontsize=8)
+    lags.set_ylim(0, 1.3)  # room above the bars for the legend
+    lags.set_yticks([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    lags.legend(loc="upper center", fontsize=8)
     lags.grid(alpha=0.3, axis="y")
     fig.suptitle("tqstream demo: decoupled PPO on a tiny Qwen2, the nines' complement of 5-digit "
                  "numbers")  # fmt: skip

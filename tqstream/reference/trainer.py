@@ -9,7 +9,9 @@ behaviour logprobs and per-token versions from the rollout engine, a reward, a g
 2. current logprobs with gradients, at the rollout's ``temperature`` so that they are comparable
    with the behaviour logprobs;
 3. GRPO advantages per group, the decoupled loss (``loss.py``) minus ``entropy_coef`` times the
-   mean entropy of the generated tokens' distributions, and ``epochs`` optimizer steps over the
+   mean entropy of the generated tokens' distributions (in groups whose rewards differ: a solved
+   group has nothing left to explore for, and the bonus alone would undo it), and ``epochs``
+   optimizer steps over the
    batch (PPO's passes: the clip keeps later passes near the proximal policy); ``version`` goes
    up by one.
 """
@@ -115,6 +117,11 @@ class PPOTrainer:
             with torch.no_grad():
                 prox, _ = self.logprobs(prompts, responses)
         advantages = grpo_advantages(rewards, groups)
+        # the entropy bonus only where the reward still tells samples apart: on a group that all
+        # got the same reward the surrogate is 0, and the bonus alone (at Adam's step size,
+        # whatever its scale) would drive a solved policy back to random answers
+        varied = {g for g, a in zip(groups, advantages.tolist(), strict=True) if a != 0.0}
+        live = torch.tensor([g in varied for g in groups], dtype=torch.bool)[:, None]
         for _ in range(self.epochs):
             logp, mask, entropy = self.logprobs(prompts, responses, entropy=True)
             behav = self._place(behav_logprobs, mask, 0.0)
@@ -128,7 +135,11 @@ class PPOTrainer:
                 behav_cap=self.behav_cap,
             )  # fmt: skip
             mean_entropy = torch.where(mask, entropy, 0.0).sum() / max(int(mask.sum()), 1)
-            loss = loss - self.entropy_coef * mean_entropy
+            bonus = mask & live
+            if self.entropy_coef and bool(bonus.any()):
+                loss = loss - self.entropy_coef * (
+                    torch.where(bonus, entropy, 0.0).sum() / int(bonus.sum())
+                )
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"the loss is {loss.item()} at version {self.version}")
             self.optimizer.zero_grad(set_to_none=True)
