@@ -191,6 +191,10 @@ def test_put_version_errors(
             "measure= and on_stale=, not both",
         ),
         (
+            {"staleness": {"max_staleness": 1}, "current_version": 3},
+            "staleness must be a tqstream.StalenessPolicy, got dict",
+        ),
+        (
             {"max_staleness": 1},
             "max_staleness needs current_version (the trainer's policy version) to place the "
             "window: pass current_version=v",
