@@ -24,6 +24,7 @@ _LAZY = {
     "BatchMeta": "tqstream.types",
     "CheckpointSummary": "tqstream.types",
     "Client": "tqstream.client.client",
+    "Column": "tqstream.protocol.columns",
     "ClientConfig": "tqstream.config",
     "ControllerConfig": "tqstream.config",
     "Experience": "tqstream.experience",

@@ -227,6 +227,13 @@ def test_round_trip_through_tqstream_gives_an_equal_dataproto(
 
 
 # --- what is stored ------------------------------------------------------------------------------
+def row_lists(col: tqstream.Column) -> list[list[Any]]:
+    """Each row of a ragged column as a list."""
+    assert col.offsets is not None
+    bounds = col.offsets.tolist()
+    return [col.values[a:b].tolist() for a, b in itertools.pairwise(bounds)]
+
+
 def test_rows_are_unpadded_and_uid_is_the_group(client: tqstream.Client, partition: str) -> None:
     dp = make_dataproto(
         [[5, 6], [7, 8, 9]],
@@ -238,9 +245,9 @@ def test_rows_are_unpadded_and_uid_is_the_group(client: tqstream.Client, partiti
     )
     rows = dataproto_to_rows(dp)
     assert rows.groups == ["uid-0", "uid-0"]
-    assert [t.tolist() for t in rows.data["prompts"]] == [[5, 6], [7, 8, 9]]
-    assert [t.tolist() for t in rows.data["responses"]] == [[10], [11, 12, 13]]
-    assert [t.tolist() for t in rows.data["response_mask"]] == [[1], [1, 0, 1]]
+    assert row_lists(rows.data["prompts"]) == [[5, 6], [7, 8, 9]]
+    assert row_lists(rows.data["responses"]) == [[10], [11, 12, 13]]
+    assert row_lists(rows.data["response_mask"]) == [[1], [1, 0, 1]]
     meta = client.put(rows.data, partition, groups=rows.groups, version=0)
     assert meta.groups == ["uid-0", "uid-0"]
     schemas = client.stats(partition).partitions[partition].schemas
@@ -344,6 +351,57 @@ def test_too_narrow_widths_are_refused(client: tqstream.Client, partition: str) 
         rows_to_dataproto(batch, prompt_length=2)
     with pytest.raises(tqstream.InvalidRequestError, match=r"response_length=1 is shorter"):
         rows_to_dataproto(batch, response_length=1)
+
+
+def test_response_wide_tensors_are_stored_without_zero_padding(
+    client: tqstream.Client, partition: str
+) -> None:
+    """Any other ``[B, R]`` tensor of a rollout (``rm_scores``, ``values``, ...) is ragged: its
+    rows without their padding when that is 0, whole otherwise; either comes back exact, alone
+    and read together (a field's kind is fixed by its first put)."""
+    scores = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0]])
+    zero = make_dataproto([[5], [6, 7]], [[8, 9], [10]], response_length=4,
+                          extra={"rm_scores": scores, "values": torch.zeros(2, 4)})  # fmt: skip
+    rows = dataproto_to_rows(zero)
+    for key in ("rm_scores", "values"):
+        assert rows.data[key].offsets.tolist() == [0, 2, 3], key  # the responses' rows
+    assert row_lists(rows.data["rm_scores"]) == [[0.0, 1.0], [0.5]]
+    three = torch.full((2, 4), 3.0)
+    whole = make_dataproto([[5], [6, 7]], [[8, 9], [10]], response_length=4,
+                           extra={"rm_scores": scores, "values": three})  # fmt: skip
+    rows = dataproto_to_rows(whole)
+    assert rows.data["values"].offsets.tolist() == [0, 4, 8]
+    assert row_lists(rows.data["values"]) == [[3.0] * 4, [3.0] * 4]
+    assert_dataproto_equal(put_and_read(client, zero, partition), zero)
+    assert_dataproto_equal(put_and_read(client, whole, partition), whole)
+    for dp in (zero, whole):
+        rows = dataproto_to_rows(dp)
+        client.put(rows.data, partition, version=0)
+    both = client.get(partition, rows.fields, 4, "actor", timeout=10)
+    assert_dataproto_equal(rows_to_dataproto(both), DataProto.concat([zero, whole]))
+    with pytest.raises(
+        tqstream.InvalidRequestError,
+        match=r"values has rows of 4 positions \(stored whole: its padding was not 0\) but the "
+        r"read re-pads to response_length=2; pass at least 4",
+    ):
+        rows_to_dataproto(both, response_length=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_response_fields_of_any_dtype_round_trip(
+    client: tqstream.Client, partition: str, dtype: torch.dtype
+) -> None:
+    """bfloat16 has no numpy type: stripping, re-padding and the padding check go by its bits."""
+    dp = make_dataproto([[5, 6], [7]], [[8], [9, 10, 11]], logprob_dtype=dtype,
+                        extra={"rm_scores": torch.zeros(2, 3, dtype=dtype)})  # fmt: skip
+    assert_dataproto_equal(put_and_read(client, dp, partition), dp)
+    logp = dp.batch["rollout_log_probs"].clone()
+    logp[0, 2] = -2.0
+    with pytest.raises(
+        tqstream.InvalidRequestError,
+        match=r"rollout_log_probs row 0 holds -2.0 at position 2, beyond the response",
+    ):
+        dataproto_to_rows(_with(dp, rollout_log_probs=logp))
 
 
 # --- bad input: a typed error, and nothing stored ------------------------------------------------

@@ -169,6 +169,25 @@ def test_jagged_nested_tensor_input_is_zero_copy():
     assert cols["r"].offsets.tolist() == [0, 0, 3] and torch.equal(cols["r"].values, values[2:5])
 
 
+def test_a_column_is_taken_as_it_is():
+    """Packed rows (values + offsets) need no nested tensor: the put takes the column's tensors."""
+    values = torch.arange(6.0).reshape(3, 2)
+    col = Column(FieldSchema("ragged", "float32", (2,)), values, torch.tensor([0, 1, 1, 3]))
+    n, cols = columns_from_data({"r": col, "d": torch.ones(3)})
+    assert n == 3 and cols["r"].values.data_ptr() == values.data_ptr()
+    back = roundtrip(cols["r"])
+    assert back.offsets.tolist() == [0, 1, 1, 3] and torch.equal(back.values, values)
+
+
+def test_empty_tensors_of_any_strides_go_on_the_wire():
+    """numpy hands out empty arrays with stride 0: they are zero bytes, whatever the strides."""
+    empty = torch.from_numpy(np.arange(4)[np.zeros(4, dtype=bool)])
+    col = Column(FieldSchema("ragged", "int64", ()), empty, torch.tensor([0, 0]))
+    assert roundtrip(col).values.numel() == 0
+    _, frames = columns_to_wire({"r": col}, packed=True)
+    assert len(frames) == 1
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
 def test_other_nested_layouts_go_row_by_row():
     strided = torch.nested.nested_tensor([torch.ones(2, 3), torch.zeros(1, 3)])
@@ -333,8 +352,33 @@ def test_non_tensor_values_inside_a_tensordict():
         ),
         ({"a": np.array(["2020-01-01"], dtype="datetime64[D]")}, SchemaError, "field 'a': cannot"),
         ({"a": np.ones(2, dtype=">f4")}, SchemaError, "field 'a': cannot convert a numpy array"),
+        (
+            {"a": Column(FieldSchema("ragged", "int64", ()), torch.arange(3),
+                         torch.tensor([1, 3]))},
+            SchemaError,
+            "field 'a': the column's offsets must start at 0, never decrease and end at the "
+            "number of values (3)",
+        ),
+        (
+            {"a": Column(FieldSchema("ragged", "int64", ()), torch.arange(3),
+                         torch.tensor([0, 2, 1, 3]))},
+            SchemaError,
+            "field 'a': the column's offsets must start at 0, never decrease",
+        ),
+        (
+            {"a": Column(FieldSchema("dense", "float32", (2,)), torch.ones(3, 4))},
+            SchemaError,
+            "field 'a': the column's schema says dense float32[2] but its values are dense "
+            "float32[4]",
+        ),
+        (
+            {"a": Column(FieldSchema("object", "str", ()), torch.zeros(0, dtype=torch.uint8),
+                         torch.tensor([0]))},
+            SchemaError,
+            "field 'a': object columns are built from their values",
+        ),
     ],
-)
+)  # fmt: skip
 def test_put_validation_messages(data, error, message):
     with pytest.raises(error) as info:
         columns_from_data(data)

@@ -1,10 +1,11 @@
 """User data to columns: the input of a put (a TensorDict, or a mapping of field name to tensors,
-numpy arrays, lists of tensors, numbers, str, bytes or JSON values) as one
+numpy arrays, lists of tensors, numbers, str, bytes or JSON values, or columns already) as one
 :class:`~tqstream.protocol.columns.Column` per field.
 
 Each field's kind follows from its values: a tensor or numeric array is dense, a jagged nested
-tensor or a list of tensors ragged, anything else an object field (Arrow large-binary rows). Every
-error names the field and says what to pass instead.
+tensor or a list of tensors ragged, anything else an object field (Arrow large-binary rows); a
+dense or ragged ``Column`` (e.g. packed rows as values and offsets) is checked and taken as it is.
+Every error names the field and says what to pass instead.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ _I64 = torch.int64
 # --- messages (composed where raised; each says what was expected and what to do) ---------------
 _EXPECTED = (
     "expected a tensor or numpy array [n, ...] (dense), a jagged nested tensor or a list of n "
-    "tensors [L_i, ...] (ragged), or a list of n str / bytes / JSON values (object)"
+    "tensors [L_i, ...] (ragged), a tqstream Column (packed values and offsets), or a list of "
+    "n str / bytes / JSON values (object)"
 )
 _NO_BATCH = (
     "got {what}, but every field needs a leading batch dimension (one entry per row); pass shape "
@@ -103,6 +105,8 @@ def columns_from_data(data: Any) -> tuple[int, dict[str, Column]]:
 def _column(name: str, value: Any) -> Column:
     from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
+    if isinstance(value, Column):
+        return _given_column(name, value)
     if isinstance(value, torch.Tensor):
         return _tensor_column(name, value)
     if isinstance(value, np.ndarray):
@@ -212,6 +216,39 @@ def _tensor_column(name: str, t: Any) -> Column:  # Any: NestedTensor methods ar
         raise field_error(BatchShapeError, name, _NO_BATCH.format(what="a 0-dim tensor"))
     t = _cpu(name, t)
     return Column(FieldSchema("dense", WIRE_NAMES[t.dtype], tuple(t.shape[1:])), t)
+
+
+def _given_column(name: str, col: Column) -> Column:
+    """A column built by the caller (e.g. packed rows: values and offsets), checked against its
+    schema: what a put would have built from the same values."""
+    values, offsets, schema = col.values, col.offsets, col.schema
+    if schema.kind == "object":
+        msg = "object columns are built from their values; pass the list of values instead"
+        raise field_error(SchemaError, name, msg)
+    values = _cpu(name, values)
+    shape = tuple(values.shape[1:]) if values.ndim else None
+    if schema.dtype != WIRE_NAMES[values.dtype] or schema.shape != shape:
+        got = "a 0-dim tensor"
+        if shape is not None:
+            got = FieldSchema(schema.kind, WIRE_NAMES[values.dtype], shape).describe()
+        msg = f"the column's schema says {schema.describe()} but its values are {got}"
+        raise field_error(SchemaError, name, msg)
+    if offsets is None:
+        return Column(schema, values)
+    offsets = offsets.detach().to("cpu").contiguous()
+    checked = offsets.numpy()  # numpy: a fraction of torch's per-call cost on small arrays
+    if (
+        checked.shape[0] == 0
+        or int(checked[0]) != 0
+        or int(checked[-1]) != values.shape[0]
+        or bool((checked[1:] < checked[:-1]).any())
+    ):
+        msg = (
+            f"the column's offsets must start at 0, never decrease and end at the number of "
+            f"values ({values.shape[0]}); row i is values[offsets[i]:offsets[i + 1]]"
+        )
+        raise field_error(SchemaError, name, msg)
+    return Column(schema, values, offsets)
 
 
 def _ragged_column(name: str, items: Sequence[Any]) -> Column:

@@ -33,11 +33,13 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a column's tensor for ``send(copy=False)``; the view keeps ``t`` alive.
     Column tensors are detached, on the CPU, contiguous and resolved (every column builder makes
     them so), so this is a reinterpretation, never a copy."""
-    if t.dtype in _NUMPY_VIEWABLE and t.numel():
+    if not t.numel():  # any strides (an empty array from numpy has stride 0)
+        return memoryview(b"")
+    if t.dtype in _NUMPY_VIEWABLE:
         view = t.numpy().data  # a memoryview holding the array
         if view.c_contiguous:
             return view.cast("B")
-    # bfloat16 & co (numpy has no such type), empty tensors, odd strides of size-1 dimensions
+    # bfloat16 & co (numpy has no such type), odd strides of size-1 dimensions
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 

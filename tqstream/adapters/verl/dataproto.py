@@ -44,7 +44,8 @@ from tqstream.adapters.verl.layout import (
 )
 from tqstream.adapters.verl.objects import encode_headed_rows
 from tqstream.errors import BatchShapeError, InvalidRequestError, SchemaError
-from tqstream.protocol.columns import dtype_name
+from tqstream.protocol.columns import Column, dtype_name
+from tqstream.types import FieldSchema
 
 __all__ = ["RowBatch", "dataproto_to_rows", "stored_dense", "stored_fields"]
 
@@ -70,11 +71,18 @@ class RowBatch:
     groups: list[str] | None
 
     def __len__(self) -> int:
-        return int(self.data[LAYOUT_FIELD].size(0))
+        return int(self.data[LAYOUT_FIELD].n_rows)
 
     @property
     def fields(self) -> list[str]:
         return list(self.data)
+
+
+def ragged_column(values: torch.Tensor, offsets: torch.Tensor) -> Column:
+    """Rows ``values[offsets[i]:offsets[i + 1]]`` as a column for the put (no nested tensor made
+    and taken apart again)."""
+    schema = FieldSchema("ragged", dtype_name(values.dtype), tuple(values.shape[1:]))
+    return Column(schema, values.contiguous(), offsets)
 
 
 def stored_fields(keys: Iterable[str]) -> list[str]:
@@ -223,84 +231,93 @@ def _unpad(
     response_fields: Sequence[str],
     pad_token_id: int | None,
 ) -> Rollout:
-    """Fill ``rows`` with a rollout's unpadded fields, after checking the masks."""
+    """Fill ``rows`` with a rollout's unpadded fields (ragged columns), after checking the masks
+    and the padding."""
     prompts, responses, mask = (tensors[k] for k in _ROLLOUT)
     p_width, r_width = prompts.shape[1], responses.shape[1]
-    p_len, r_len, p_keep, r_keep = padding.mask_lengths(mask, p_width)
-    pad = _pad_token(prompts, responses, p_keep, r_keep, pad_token_id)
-    _check_prompt_start(prompts, p_keep, p_len, pad)
-    derived = _derived(tensors, prompts, responses, mask)
+    p_real, r_real = padding.mask_lengths(mask, p_width)
+    p_values, r_values = padding.strip(prompts, p_real), padding.strip(responses, r_real)
+    pad = _pad_token(prompts, responses, p_real, r_real, p_values, r_values, pad_token_id)
+    _check_prompt_start(p_values, p_real, pad)
+    derived = _derived(tensors, p_real, r_real)
     response = [k for k in dict.fromkeys((*RESPONSE_FIELDS, *response_fields)) if k in tensors]
-    r_offsets = padding.offsets_of(r_len)
-    rows["prompts"] = padding.strip(prompts, p_keep, padding.offsets_of(p_len))
-    rows["responses"] = padding.strip(responses, r_keep, r_offsets)
+    rows["prompts"] = ragged_column(p_values, p_real.offsets)
+    rows["responses"] = ragged_column(r_values, r_real.offsets)
     for key in response:
-        rows[key] = _strip_response_field(key, tensors[key], r_keep, r_offsets)
+        rows[key] = _strip_response_field(key, tensors[key], r_real)
+    for key, t in tensors.items():  # any other [B, R, ...] tensor: response-aligned
+        if key in rows or key in derived or key in _ROLLOUT:
+            continue
+        if not t.is_nested and t.ndim >= 2 and t.shape[1] == r_width:
+            rows[key] = _response_aligned(t, r_real)
+            response.append(key)
     return Rollout(p_width, r_width, pad, derived, response)
 
 
-def _widths(prompts: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
-    for name, t in (("prompts", prompts), ("responses", responses)):
-        if t.ndim != 2:
-            raise SchemaError(f"{name} must be [batch, length] token ids, got {list(t.shape)}")
-    p_width, r_width = prompts.shape[1], responses.shape[1]
-    if mask.ndim != 2 or mask.shape[1] != p_width + r_width:
-        raise SchemaError(
-            f"attention_mask has shape {list(mask.shape)} but prompts ⧺ responses is "
-            f"[{len(prompts)}, {p_width} + {r_width}]: one mask entry per token"
-        )
-    return p_width, r_width
+def _response_aligned(t: torch.Tensor, real: padding.Real) -> Column:
+    """A ``[B, R, ...]`` tensor as ragged rows: without its right padding when that is all 0
+    bits (``rm_scores``, ``token_level_rewards``, ... as verl pads them), else each row whole (its
+    ``R`` positions): re-padding with 0 gives it back either way, bit for bit."""
+    values = padding.strip(t, real)
+    if padding.padding_holds(t, values, 0, bits=True):
+        return ragged_column(values, real.offsets)
+    n, width = t.shape[:2]
+    whole = torch.arange(0, (n + 1) * width, width, dtype=torch.int64)
+    return ragged_column(t.reshape(n * width, *t.shape[2:]), whole)
 
 
 def _pad_token(
     prompts: torch.Tensor,
     responses: torch.Tensor,
-    p_keep: torch.Tensor,
-    r_keep: torch.Tensor,
+    p_real: padding.Real,
+    r_real: padding.Real,
+    p_values: torch.Tensor,
+    r_values: torch.Tensor,
     pad_token_id: int | None,
 ) -> int | None:
     """The pad id every padding position holds (checked); inferred when not given: the id at
     the first padding position, which every other one must then hold too."""
+    p_width, r_width = prompts.shape[1], responses.shape[1]
     if pad_token_id is None:
-        pad_token_id = _first_outside(prompts, p_keep)
-        if pad_token_id is None:
-            pad_token_id = _first_outside(responses, r_keep)
-        if pad_token_id is None:
-            return None
+        short = (p_real.lengths < p_width).nonzero()
+        if len(short):  # left padding: the row's first position
+            pad_token_id = int(prompts[int(short[0, 0]), 0])
+        else:
+            short = (r_real.lengths < r_width).nonzero()
+            if not len(short):
+                return None
+            row = int(short[0, 0])  # right padding: just after the row's tokens
+            pad_token_id = int(responses[row, int(r_real.lengths[row])])
         agree = all(
-            bool(((t == pad_token_id) | keep).all())
-            for t, keep in ((prompts, p_keep), (responses, r_keep))
+            padding.padding_holds(t, values, pad_token_id)
+            for t, values in ((prompts, p_values), (responses, r_values))
         )
         if not agree:
-            seen = torch.cat([prompts[~p_keep], responses[~r_keep]]).unique()
+            outside = [padding.numpy_view(t)[~real.keep]
+                       for t, real in ((prompts, p_real), (responses, r_real))]  # fmt: skip
+            seen = np.unique(np.concatenate(outside))
             raise InvalidRequestError(
                 f"the padding positions of prompts/responses (attention_mask 0) hold several "
                 f"token ids {seen.tolist()[:8]}, but verl pads with one pad_token_id: the masks "
                 f"disagree with the padding (or pass pad_token_id= to find the position)"
             )
         return pad_token_id
-    padding.check_padding("prompts", prompts, p_keep, pad_token_id, "left of the prompt")
-    padding.check_padding("responses", responses, r_keep, pad_token_id, "right of the response")
+    padding.check_padding("prompts", prompts, p_values, p_real, pad_token_id,
+                          "left of the prompt")  # fmt: skip
+    padding.check_padding("responses", responses, r_values, r_real, pad_token_id,
+                          "right of the response")  # fmt: skip
     return pad_token_id
 
 
-def _first_outside(t: torch.Tensor, keep: torch.Tensor) -> int | None:
-    """The value at the first position ``keep`` leaves out (row-major), None if there is none."""
-    outside = ~keep.reshape(-1)
-    first = int(outside.to(torch.uint8).argmax()) if outside.numel() else 0
-    return int(t.reshape(-1)[first]) if outside.numel() and bool(outside[first]) else None
-
-
-def _check_prompt_start(
-    prompts: torch.Tensor, p_keep: torch.Tensor, p_len: torch.Tensor, pad: int | None
-) -> None:
+def _check_prompt_start(values: torch.Tensor, real: padding.Real, pad: int | None) -> None:
     """A prompt whose first attended token is the pad id has its mask over the left padding."""
-    if pad is None or prompts.shape[1] == 0:
+    if pad is None or values.numel() == 0:
         return
-    first = prompts.gather(1, (prompts.shape[1] - p_len).clamp(max=prompts.shape[1] - 1)[:, None])
-    bad = (first[:, 0] == pad) & (p_len > 0)
+    attended = real.lengths > 0
+    first = values.index_select(0, real.offsets[:-1][attended])
+    bad = first == pad
     if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
+        row = int(attended.nonzero()[int(bad.nonzero()[0, 0]), 0])
         raise InvalidRequestError(
             f"attention_mask row {row} is 1 over the prompt's left padding (its first attended "
             f"token is the pad id {pad}): the masks disagree with the padding"
@@ -308,42 +325,52 @@ def _check_prompt_start(
 
 
 def _derived(
-    tensors: dict[str, torch.Tensor],
-    prompts: torch.Tensor,
-    responses: torch.Tensor,
-    mask: torch.Tensor,
+    tensors: dict[str, torch.Tensor], p_real: padding.Real, r_real: padding.Real
 ) -> dict[str, str]:
     """The tensors to rebuild rather than store (name -> dtype): ``attention_mask``, and
     ``input_ids`` / ``position_ids`` when they are what verl computes (``prompts ⧺ responses``,
     ``verl.utils.model.compute_position_id_with_mask``); other ones (e.g. multimodal M-RoPE
-    position ids ``[B, 3, L]``) are stored as they are."""
-    from verl.utils.model import compute_position_id_with_mask
-
+    position ids ``[B, 3, L]``) are stored as they are. Compared by value on numpy views."""
+    prompts, responses, mask = (tensors[k] for k in _ROLLOUT)
+    p_width = prompts.shape[1]
     derived = {"attention_mask": dtype_name(mask.dtype)}
     input_ids = tensors.get("input_ids")
-    if input_ids is not None and not input_ids.is_nested:
-        expected = torch.cat([prompts, responses], dim=1)
-        if input_ids.shape == expected.shape and torch.equal(input_ids, expected.to(input_ids)):
+    if _comparable(input_ids, mask.shape, prompts, responses):
+        assert input_ids is not None
+        ids = padding.numpy_view(input_ids)
+        if np.array_equal(ids[:, :p_width], padding.numpy_view(prompts)) and np.array_equal(
+            ids[:, p_width:], padding.numpy_view(responses)
+        ):
             derived["input_ids"] = dtype_name(input_ids.dtype)
     position_ids = tensors.get("position_ids")
-    if position_ids is not None and not position_ids.is_nested and position_ids.shape == mask.shape:
-        expected = compute_position_id_with_mask(mask.to(torch.int64))
-        if torch.equal(position_ids.to(torch.int64), expected):
+    if _comparable(position_ids, mask.shape):
+        assert position_ids is not None
+        expected = padding.positions(p_real.lengths, r_real.lengths, p_width, responses.shape[1])
+        if np.array_equal(padding.numpy_view(position_ids), expected):
             derived["position_ids"] = dtype_name(position_ids.dtype)
     return derived
 
 
-def _strip_response_field(
-    key: str, t: torch.Tensor, r_keep: torch.Tensor, r_offsets: torch.Tensor
-) -> torch.Tensor:
-    r_width = r_keep.shape[1]
+def _comparable(t: torch.Tensor | None, shape: Any, *others: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``shape`` tensor numpy compares by value with ``others``."""
+    return (
+        t is not None
+        and not t.is_nested
+        and t.shape == shape
+        and all(padding.bits_of(x.dtype) is None for x in (t, *others))
+    )
+
+
+def _strip_response_field(key: str, t: torch.Tensor, real: padding.Real) -> Column:
+    r_width = real.keep.shape[1]
     if t.ndim < 2 or t.shape[1] != r_width:
         raise InvalidRequestError(
             f"{key} has shape {list(t.shape)} but responses is {r_width} tokens wide: a "
             f"response-aligned field has one entry per response position"
         )
-    padding.check_padding(key, t, r_keep, 0, "beyond the response")
-    return padding.strip(t, r_keep, r_offsets)
+    values = padding.strip(t, real)
+    padding.check_padding(key, t, values, real, 0, "beyond the response")
+    return ragged_column(values, real.offsets)
 
 
 def _non_tensor_field(key: str, arr: Any) -> tuple[torch.Tensor | Sequence[Any], list[Any]]:
@@ -371,9 +398,9 @@ def _non_tensor_field(key: str, arr: Any) -> tuple[torch.Tensor | Sequence[Any],
 
 def _layout_rows(
     layout: Layout, meta_info: Any, n: int, objects: dict[str, Sequence[Any]]
-) -> torch.Tensor:
+) -> Column:
     """The layout field of ``n`` rows (the first carries ``meta_info``) with their object values,
-    jagged ``uint8`` (see :mod:`.layout`)."""
+    ragged ``uint8`` (see :mod:`.layout`)."""
     first, rest = head(layout.encode(meta_info, first=True)), head(layout.encode())
     return encode_headed_rows([first, *[rest] * (n - 1)], objects)
 

@@ -47,13 +47,15 @@ import numpy as np
 import torch
 
 from tqstream.errors import MalformedMessageError, SchemaError
-from tqstream.protocol.columns import dtype_name, jagged, torch_dtype
+from tqstream.protocol.columns import Column, dtype_name, jagged, torch_dtype
+from tqstream.types import FieldSchema
 
 __all__ = ["decode_rows", "encode_headed_rows", "encode_rows", "pack", "unpack"]
 
 (_TUPLE, _SCALAR, _ARRAY, _OBJECTS, _TENSOR, _INT, _SET, _FROZENSET, _COMPLEX, _BYTEARRAY,
  _NP_STR, _NP_BYTES) = range(1, 13)  # fmt: skip
 _SAFE = (int, float, bool, str, bytes, type(None))
+_BYTES = FieldSchema("ragged", "uint8", ())
 
 
 def _has_bin(data: bytes) -> bool:
@@ -218,12 +220,12 @@ def _pack_value(packer: msgpack.Packer, value: Any) -> bytes:
     return packed
 
 
-def _rows_tensor(parts: Sequence[bytes]) -> torch.Tensor:
-    """Row ``i`` is ``parts[i]``: a jagged ``uint8`` tensor ``[n, j]``."""
+def _rows_column(parts: Sequence[bytes]) -> Column:
+    """Row ``i`` is ``parts[i]``: a ragged ``uint8`` column."""
     values = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
     ends = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)), out=ends[1:])
-    return jagged(values, torch.from_numpy(ends))
+    return Column(_BYTES, values, torch.from_numpy(ends))
 
 
 def encode_rows(name: str, values: Sequence[Any]) -> torch.Tensor:
@@ -235,14 +237,14 @@ def encode_rows(name: str, values: Sequence[Any]) -> torch.Tensor:
             parts.append(_pack_value(packer, value))
         except _ENCODE_ERRORS as exc:
             raise _refused(name, row, exc) from exc
-    return _rows_tensor(parts)
+    column = _rows_column(parts)
+    assert column.offsets is not None
+    return jagged(column.values, column.offsets)
 
 
-def encode_headed_rows(
-    heads: Sequence[bytes], columns: Mapping[str, Sequence[Any]]
-) -> torch.Tensor:
+def encode_headed_rows(heads: Sequence[bytes], columns: Mapping[str, Sequence[Any]]) -> Column:
     """Row ``i``: ``heads[i]`` (bytes already encoded) followed by the map ``{name: values[i]}``
-    of ``columns`` (nil when there are none), as a jagged ``uint8`` tensor ``[n, j]``; a value that
+    of ``columns`` (nil when there are none), as a ragged ``uint8`` column; a value that
     cannot be encoded raises ``SchemaError`` naming its column and row."""
     packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
     names = list(columns)
@@ -259,7 +261,7 @@ def encode_headed_rows(
                 except _ENCODE_ERRORS as one:
                     raise _refused(name, row, one) from one
             raise _refused(", ".join(names), row, exc) from exc
-    return _rows_tensor(parts)
+    return _rows_column(parts)
 
 
 # --- decode --------------------------------------------------------------------------------------
@@ -368,23 +370,6 @@ def decode_rows(
                 out.append((unpacker.unpack(), unpacker.unpack()))
             if unpacker.tell() != end - first:
                 raise ValueError(f"the row's values end at byte {unpacker.tell()} of {end - first}")
-    except _DECODE_ERRORS as exc:
-        raise MalformedMessageError(
-            f"field {name!r} row {len(out)} cannot be decoded ({exc})", field=name, row=len(out)
-        ) from exc
-    return out
-    view = values.contiguous().numpy().data if values.numel() else memoryview(b"")
-    first = bounds[0]
-    data = view[first : bounds[-1]]
-    unpacker = msgpack.Unpacker(
-        ext_hook=_ext, raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1)
-    )
-    unpacker.feed(data)
-    try:
-        for end in bounds[1:]:
-            out.append(unpacker.unpack())
-            if unpacker.tell() != end - first:
-                raise ValueError(f"the value ends at byte {unpacker.tell()} of {end - first}")
     except _DECODE_ERRORS as exc:
         raise MalformedMessageError(
             f"field {name!r} row {len(out)} cannot be decoded ({exc})", field=name, row=len(out)

@@ -2,12 +2,12 @@
 
 The inverse of :func:`~tqstream.adapters.verl.dataproto.dataproto_to_rows`. Rows are read jagged
 (or padded with ``<field>_lengths``). For a rollout, ``prompts`` are left-padded and the
-response-aligned fields right-padded to the widths asked for (default: the widest put's), with a
-few scatters for the whole batch, and ``attention_mask``, ``input_ids`` and ``position_ids`` are
-rebuilt from the lengths with verl's own ``compute_position_id_with_mask``. Other batch tensors
-come back as they were read; ``non_tensor_batch`` arrays get their numpy dtypes and shapes back
-from the row layout (object values decoded by :mod:`.objects`), and ``meta_info`` is the put's (or
-the puts' merged).
+response-aligned fields right-padded to the widths asked for (default: the widest put's), with
+one boolean placement each for the whole batch, and ``attention_mask``, ``input_ids`` and
+``position_ids`` are rebuilt from the lengths (the positions verl's
+``compute_position_id_with_mask`` gives). Other batch tensors come back as they were read;
+``non_tensor_batch`` arrays get their numpy dtypes and shapes back from the row layout (object
+values decoded by :mod:`.objects`), and ``meta_info`` is the put's (or the puts' merged).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def rows_to_dataproto(
     tensors: dict[str, Any] = {}
     ragged = {LAYOUT_FIELD, *merged.nested}
     widths: tuple[int, int | None] = (0, None)
-    r_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # responses' offsets and keep
+    r_rows: tuple[torch.Tensor, np.ndarray] | None = None  # responses' offsets and keep
     if ro is not None:
         ragged.update(("prompts", "responses", *ro.response))
         widths, r_rows = _rollout(
@@ -94,8 +94,11 @@ def rows_to_dataproto(
             width = widths[1]
             if width is None:  # responses not read: the field's own width
                 width = _width("response_length", response_length, ro.response_length, offsets)
-            # the rows of a response-aligned field are the responses' (one put wrote both)
+            # the rows of a response-aligned field are the responses' (one put wrote both),
+            # unless the field was stored whole (its padding was not 0)
             keep = r_rows[1] if r_rows is not None and torch.equal(offsets, r_rows[0]) else None
+            if keep is None:
+                _fits(key, offsets, width)
             tensors[key] = padding.pad_rows(values, offsets, width, 0, left=False, keep=keep)
         elif key in merged.nested:
             value = td.get(key)
@@ -222,7 +225,7 @@ def _rollout(
     prompt_length: int | None,
     response_length: int | None,
     pad_token_id: int | None,
-) -> tuple[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor] | None]:
+) -> tuple[tuple[int, int | None], tuple[torch.Tensor, np.ndarray] | None]:
     """Re-pad ``prompts`` and ``responses`` and rebuild the derived tensors into ``tensors``
     (when both were read); the widths used (None: not read) and the responses' offsets and kept
     positions (for the response-aligned fields)."""
@@ -235,12 +238,24 @@ def _rollout(
     pad = pad_token_id if pad_token_id is not None else ro.pad_token_id or 0
     p_offsets, r_offsets = prompts[1].to(torch.int64), responses[1].to(torch.int64)
     p_len, r_len = p_offsets[1:] - p_offsets[:-1], r_offsets[1:] - r_offsets[:-1]
-    p_keep, r_keep = padding.keeps(p_len, r_len, p_width, r_width)
+    p_keep = padding.keeps(p_len, p_width, left=True)
+    r_keep = padding.keeps(r_len, r_width, left=False)
     tensors["prompts"] = padding.pad_rows(*prompts, p_width, pad, left=True, keep=p_keep)
     tensors["responses"] = padding.pad_rows(*responses, r_width, pad, left=False, keep=r_keep)
     dtypes = {k: torch_dtype(v) for k, v in ro.derived.items()}
-    tensors.update(_derived(dtypes, p_keep, r_keep, tensors))
+    tensors.update(_derived(dtypes, (p_len, r_len), (p_keep, r_keep), tensors))
     return (p_width, r_width), (r_offsets, r_keep)
+
+
+def _fits(key: str, offsets: torch.Tensor, width: int) -> None:
+    """Refuse to re-pad rows of a response-aligned field longer than ``width``: one stored
+    whole (its padding was not 0) has its put's full width."""
+    longest = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+    if longest > width:
+        raise InvalidRequestError(
+            f"{key} has rows of {longest} positions (stored whole: its padding was not 0) but the "
+            f"read re-pads to response_length={width}; pass at least {longest}"
+        )
 
 
 def _width(name: str, asked: int | None, stored: int, offsets: torch.Tensor) -> int:
@@ -259,20 +274,38 @@ def _width(name: str, asked: int | None, stored: int, offsets: torch.Tensor) -> 
 
 def _derived(
     dtypes: dict[str, torch.dtype],
-    p_keep: torch.Tensor,
-    r_keep: torch.Tensor,
+    lengths: tuple[torch.Tensor, torch.Tensor],
+    keep: tuple[np.ndarray, np.ndarray],
     tensors: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    from verl.utils.model import compute_position_id_with_mask
-
-    mask = torch.cat([p_keep, r_keep], dim=1).to(torch.int64)
-    out = {"attention_mask": mask.to(dtypes.get("attention_mask", torch.int64))}
+    """``attention_mask``, and ``input_ids`` / ``position_ids`` where they were derived, of the
+    re-padded ``prompts`` and ``responses`` (``lengths``, their real positions ``keep``): the mask
+    1 on the real tokens, the ids ``prompts ⧺ responses``, the positions verl's
+    ``compute_position_id_with_mask`` gives."""
+    prompts, responses = tensors["prompts"], tensors["responses"]
+    p_width, r_width = prompts.shape[1], responses.shape[1]
+    (p_len, r_len), mask = lengths, np.concatenate(keep, axis=1)
+    out = {"attention_mask": _as(mask, dtypes.get("attention_mask", torch.int64))}
     if "input_ids" in dtypes:
-        ids = torch.cat([tensors["prompts"], tensors["responses"]], dim=1)
-        out["input_ids"] = ids.to(dtypes["input_ids"])
+        ids = [padding.numpy_view(t) for t in (prompts, responses)]
+        out["input_ids"] = _as(np.concatenate(ids, axis=1), dtypes["input_ids"], prompts.dtype)
     if "position_ids" in dtypes:
-        out["position_ids"] = compute_position_id_with_mask(mask).to(dtypes["position_ids"])
+        at = padding.positions(p_len, r_len, p_width, r_width)
+        out["position_ids"] = _as(at, dtypes["position_ids"])
     return out
+
+
+def _as(array: np.ndarray, dtype: torch.dtype, of: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh numpy array (of :func:`padding.numpy_view`s of ``of`` tensors) as a ``dtype``
+    tensor."""
+    t = torch.from_numpy(array)
+    if of is not None and padding.bits_of(of) is not None:
+        t = t.view(of)
+    if t.dtype == dtype:
+        return t
+    if padding.bits_of(dtype) is None and padding.bits_of(t.dtype) is None:
+        return torch.from_numpy(array.astype(torch.empty(0, dtype=dtype).numpy().dtype))
+    return t.to(dtype)
 
 
 # --- rows of other producers ---------------------------------------------------------------------
