@@ -25,6 +25,7 @@ _LAZY = {
     "CheckpointSummary": "tqstream.types",
     "Client": "tqstream.client.client",
     "ClientConfig": "tqstream.config",
+    "ClusterConfig": "tqstream.config",
     "ControllerConfig": "tqstream.config",
     "Experience": "tqstream.experience",
     "ExperienceBatch": "tqstream.experience",
