@@ -26,6 +26,7 @@ _LAZY = {
     "Client": "tqstream.client.client",
     "Column": "tqstream.protocol.columns",
     "ClientConfig": "tqstream.config",
+    "ClusterConfig": "tqstream.config",
     "ControllerConfig": "tqstream.config",
     "Experience": "tqstream.experience",
     "ExperienceBatch": "tqstream.experience",

@@ -1,24 +1,52 @@
-"""Configuration: one frozen dataclass per component, every field with a default and a docstring.
+"""Configuration: one frozen dataclass per component, every field with a default and a docstring,
+and :class:`ClusterConfig`, the one description of a cluster that every deployment takes.
 
-Environment variables are read here and nowhere else (``TQSTREAM_<FIELD>`` in upper case, e.g.
-``TQSTREAM_LEASE_TIMEOUT=60``); explicit arguments win over the environment. The ``tqstream-launch``
-flags are generated from these dataclasses.
+A cluster setting has one name everywhere (:func:`cluster_settings`): the keyword of
+``tqstream.init``, ``tqstream.ProcessCluster``, ``tqstream.ray.launch`` and
+``ClusterConfig.with_settings``, the ``tqstream-launch`` flag (``--storage-max-bytes``) and the
+environment variable (``TQSTREAM_STORAGE_MAX_BYTES``). The names come from the fields: a
+controller field's own name, a storage unit's field with ``storage_`` in front, and one name for a
+field both have (``keys``, ``host``, ``max_message_bytes``, ...), which sets it in both. A new
+field is therefore one edit here: every deployment, flag and variable takes it. Old names
+(:data:`DEPRECATED`) still work, with a ``DeprecationWarning``.
+
+Environment variables are read here and nowhere else (``TQSTREAM_<SETTING>`` in upper case, e.g.
+``TQSTREAM_LEASE_TIMEOUT=60``; a client's ``TQSTREAM_<FIELD>`` of :class:`ClientConfig`); explicit
+arguments win over the environment.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import functools
+import inspect
+import ipaddress
+import itertools
 import os
+import sys
+import types
+import typing
+import warnings
 from typing import Any, TypeVar
+
+from tqstream.errors import ConfigError
 
 __all__ = [
     "ADDRESS_ENV",
     "AREAL_BUDGET_ENV",
+    "DEPRECATED",
     "ClientConfig",
+    "ClusterConfig",
     "ControllerConfig",
+    "Setting",
     "StorageConfig",
+    "cluster_config",
+    "cluster_settings",
     "environment",
     "from_env",
+    "is_loopback",
 ]
 
 ADDRESS_ENV = "TQSTREAM_ADDRESS"
@@ -29,6 +57,10 @@ AREAL_BUDGET_ENV = "TQSTREAM_AREAL_BUDGET"
 """The budget that AReaL ``StalenessManager`` s built without a name share (set it for every
 rank: ``docs/adapters/areal.md``); unset: each keeps a budget of its own."""
 
+DEPRECATED = {"max_bytes": "storage_max_bytes", "num_storage_units": "storage_units"}
+"""Old names of cluster settings, each with its new one: accepted as keywords and as
+``TQSTREAM_<OLD>`` variables with a ``DeprecationWarning`` until the next release."""
+
 GiB = 1 << 30
 DEFAULT_MAX_MESSAGE_BYTES = 2 * GiB
 
@@ -36,9 +68,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 2 * GiB
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
     host: str = "127.0.0.1"
-    """Interface to bind; loopback by default."""
+    """Interface to bind (in a cluster: every server's); loopback by default."""
     port: int = 0
-    """TCP port; 0 picks a free one."""
+    """TCP port (in a cluster: the controller's, which clients connect to); 0 picks a free one."""
     lease_timeout: float = 300.0
     """Seconds a leased batch stays leased without ack before its rows become available again."""
     put_timeout: float = 60.0
@@ -51,14 +83,24 @@ class ControllerConfig:
     """Copies kept of each row, on distinct storage units (1 or 2); a partition can set its own
     (``create_partition(..., replicas=2)``). With 2, losing one unit loses no row."""
     keys: str = ""
-    """Path of the cluster's CURVE key file (``tqstream-launch --keys``): TCP peers must hold its
-    client keypair; empty: no authentication, any peer that reaches the port is served."""
+    """Path of the cluster's CURVE key file, made (mode 0600) if missing when a deployment starts:
+    TCP peers must hold its client keypair (clients: ``ClientConfig(keys=PATH)`` or
+    ``TQSTREAM_KEYS=PATH``); empty: no authentication, any peer that reaches the port is served."""
     metrics_port: int = 0
     """Port of the Prometheus metrics endpoint (``http://HOST:PORT/metrics`` on the controller's
     host); 0: no endpoint (docs/observability.md)."""
     max_rows: int = 0
     """Rows the cluster holds at most, over every partition (rows being put included); a put or
     keyed write that would exceed it raises CapacityError. 0: no cap."""
+    connect_timeout: float = 10.0
+    """Seconds the controller and a registering storage unit wait for each other's handshake
+    before raising ConnectError."""
+    heartbeat_interval: float = 1.0
+    """Seconds between ZMQ heartbeats on the links between the controller and the storage units;
+    a side silent for 3 intervals counts as lost."""
+
+    def __post_init__(self) -> None:
+        _check(self, "controller")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +112,21 @@ class StorageConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest message accepted; larger ones get a MessageTooLargeError reply."""
     max_bytes: int = 0
-    """Byte quota of the unit (0: unlimited); puts wait for room, then raise CapacityError."""
+    """Byte quota of each storage unit (0: unlimited); puts wait for room, then raise
+    CapacityError."""
     keys: str = ""
-    """Path of the cluster's CURVE key file (``tqstream-launch --keys``): TCP peers must hold its
-    client keypair; empty: no authentication, any peer that reaches the port is served."""
+    """Path of the cluster's CURVE key file, made (mode 0600) if missing when a deployment starts:
+    TCP peers must hold its client keypair (clients: ``ClientConfig(keys=PATH)`` or
+    ``TQSTREAM_KEYS=PATH``); empty: no authentication, any peer that reaches the port is served."""
+    connect_timeout: float = 10.0
+    """Seconds the controller and a registering storage unit wait for each other's handshake
+    before raising ConnectError."""
+    heartbeat_interval: float = 1.0
+    """Seconds between ZMQ heartbeats on the links between the controller and the storage units;
+    a side silent for 3 intervals counts as lost."""
+
+    def __post_init__(self) -> None:
+        _check(self, "storage")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +155,195 @@ class ClientConfig:
     reach a cluster started with keys; empty: connect without (docs/security.md)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """A whole cluster, as every deployment starts it: ``tqstream.init(config=...)``,
+    ``tqstream.ProcessCluster(config=...)`` (``tqstream-launch``: one flag per setting),
+    ``tqstream.ray.launch(config=...)``.
+
+    The storage units bind the controller's ``host``, load its key file (``keys``) and take free
+    ports (a restarted unit its old one): ``storage.host`` and ``storage.keys`` must equal the
+    controller's and ``storage.port`` must be 0. :meth:`with_settings` changes settings by name and
+    sets a shared one in both components, e.g. ``ClusterConfig(storage_units=2).with_settings(
+    keys="cluster.keys", storage_max_bytes=8 << 30)``.
+    """
+
+    storage_units: int | None = None
+    """Number of storage units (at least 1); unset: one per alive Ray node with
+    ``tqstream.ray.launch``, else 1."""
+    controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
+    """The controller's settings."""
+    storage: StorageConfig = dataclasses.field(default_factory=StorageConfig)
+    """Every storage unit's settings."""
+
+    def __post_init__(self) -> None:
+        _check(self, "")
+        for name, what in (("host", "interface to bind"), ("keys", "key file")):
+            mine, theirs = getattr(self.controller, name), getattr(self.storage, name)
+            if mine != theirs:
+                raise ConfigError(
+                    f"ClusterConfig: controller.{name}={mine!r} but storage.{name}={theirs!r}: a "
+                    f"cluster has one {what}; set it for both with "
+                    f"ClusterConfig(...).with_settings({name}=...) or the keyword {name}=",
+                    setting=name,
+                )
+        if self.storage.port:
+            raise ConfigError(
+                f"ClusterConfig: storage.port={self.storage.port}: the storage units of a cluster "
+                f"take free ports (a restarted one its old port); the setting port= is the "
+                f"controller's",
+                setting="port",
+            )
+
+    @classmethod
+    def from_env(cls, **settings: Any) -> ClusterConfig:
+        """The defaults, then the ``TQSTREAM_<SETTING>`` environment variables, then ``settings``
+        (by name, as :meth:`with_settings` takes them)."""
+        table = cluster_settings()
+        env = {
+            s.name: s.parse(os.environ[s.env], s.env) for s in table.values() if s.env in os.environ
+        }
+        for old, new in DEPRECATED.items():
+            variable = f"TQSTREAM_{old.upper()}"
+            if variable in os.environ:
+                env[old] = table[new].parse(os.environ[variable], variable)
+        return cls().with_settings(**env).with_settings(**settings)
+
+    def with_settings(self, **settings: Any) -> ClusterConfig:
+        """This configuration with settings changed by name (:func:`cluster_settings`: the keywords
+        every deployment takes); None leaves a setting as it is. An old name (:data:`DEPRECATED`)
+        works with a DeprecationWarning; an unknown name, an old name given with its new one and a
+        refused value raise ConfigError."""
+        table = cluster_settings()
+        given = {name: value for name, value in settings.items() if value is not None}
+        for old, new in DEPRECATED.items():
+            if old not in given:
+                continue
+            hint = f"{new!r} (tqstream-launch {table[new].flag}, {table[new].env})"
+            if new in given:
+                raise ConfigError(
+                    f"cluster setting {old!r} is the deprecated name of {new!r}, and both were "
+                    f"given ({old}={given[old]!r}, {new}={given[new]!r}): give only {hint}",
+                    setting=new,
+                )
+            _deprecated(
+                f"cluster setting {old!r} (TQSTREAM_{old.upper()}) is deprecated and will be "
+                f"removed in the next release: use {hint}"
+            )
+            given[new] = given.pop(old)
+        for name in given:
+            if name not in table:
+                close = difflib.get_close_matches(name, [*table, *DEPRECATED], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"unknown cluster setting {name!r}{hint}; the settings are "
+                    f"{', '.join(table)} (docs/deployment.md)",
+                    setting=name,
+                )
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in given.items():
+            for path in table[name].paths:
+                owner, _, field = path.rpartition(".")
+                changes.setdefault(owner, {})[field] = value
+        parts = {
+            owner: dataclasses.replace(getattr(self, owner), **fields)
+            for owner, fields in changes.items()
+            if owner
+        }
+        return dataclasses.replace(self, **changes.get("", {}), **parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One cluster setting, under one name for every deployment (see the module docstring)."""
+
+    name: str
+    """The keyword (``storage_max_bytes``); the flag and the variable derive from it."""
+    paths: tuple[str, ...]
+    """The ClusterConfig fields it sets (``storage_units``, ``controller.replicas``,
+    ``storage.max_bytes``): both components' for a field they share."""
+    kind: type
+    """``int``, ``float`` or ``str``."""
+    default: Any
+    doc: str
+    """The field's docstring."""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return f"TQSTREAM_{self.name.upper()}"
+
+    def parse(self, raw: str, source: str) -> Any:
+        """``raw`` (from ``source``, a variable or a flag) as a value of the setting."""
+        try:
+            return self.kind(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{source}={raw!r} is not a valid {self.kind.__name__} (cluster setting "
+                f"{self.name!r}: {self.doc})",
+                setting=self.name,
+            ) from None
+
+
+PER_UNIT = ("port",)
+"""StorageConfig fields that no cluster setting sets: each storage unit takes its own."""
+
+
+@functools.cache
+def cluster_settings() -> dict[str, Setting]:
+    """Every cluster setting by name, in ClusterConfig's order: its own fields, then the
+    controller's, then the storage units' (named ``storage_<field>`` unless the controller has the
+    field too: then one setting sets both)."""
+    out: dict[str, Setting] = {}
+    for top in dataclasses.fields(ClusterConfig):
+        kind, _ = _kind(ClusterConfig, top.name)
+        if not dataclasses.is_dataclass(kind):
+            doc = _docs(ClusterConfig)[top.name]
+            out[top.name] = Setting(top.name, (top.name,), kind, top.default, doc)
+            continue
+        for f in dataclasses.fields(kind):
+            if kind is StorageConfig and f.name in PER_UNIT:
+                continue
+            path = f"{top.name}.{f.name}"
+            shared = out.get(f.name)
+            if shared is not None and shared.paths[0].startswith("controller."):
+                out[f.name] = dataclasses.replace(shared, paths=(*shared.paths, path))
+                continue
+            name = f.name if top.name == "controller" else f"{top.name}_{f.name}"
+            if name in out:  # two fields would share a flag: rename one of them
+                raise TypeError(f"cluster setting {name!r} would set {out[name].paths} and {path}")
+            out[name] = Setting(
+                name, (path,), _kind(kind, f.name)[0], f.default, _docs(kind)[f.name]
+            )
+    return out
+
+
+def cluster_config(config: ClusterConfig | None = None, /, **settings: Any) -> ClusterConfig:
+    """The cluster a deployment starts: ``config`` as given (None: :meth:`ClusterConfig.from_env`,
+    the defaults and the environment) with the keyword ``settings`` changed."""
+    if config is None:
+        return ClusterConfig.from_env(**settings)
+    if not isinstance(config, ClusterConfig):
+        raise ConfigError(
+            f"config must be a tqstream.ClusterConfig, got {type(config).__name__} (a "
+            f"ClientConfig configures a client: tqstream.init(client_config=...))"
+        )
+    return config.with_settings(**settings)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or * (every interface)
+        return False
+
+
 _C = TypeVar("_C")
 
 
@@ -111,7 +353,10 @@ def environment(name: str) -> str:
 
 
 def from_env(cls: type[_C], **overrides: Any) -> _C:
-    """Build ``cls`` from defaults, then ``TQSTREAM_*`` variables, then explicit ``overrides``."""
+    """Build ``cls`` from defaults, then ``TQSTREAM_*`` variables, then explicit ``overrides``
+    (None: not given); a ClusterConfig by its settings (:meth:`ClusterConfig.from_env`)."""
+    if cls is ClusterConfig:
+        return ClusterConfig.from_env(**overrides)  # type: ignore[return-value]
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         raw = os.environ.get(f"TQSTREAM_{f.name.upper()}")
@@ -120,9 +365,80 @@ def from_env(cls: type[_C], **overrides: Any) -> _C:
             try:
                 values[f.name] = kind(raw)
             except ValueError as exc:
-                raise ValueError(
+                raise ConfigError(
                     f"environment variable TQSTREAM_{f.name.upper()}={raw!r} is not a valid "
                     f"{kind.__name__}"
                 ) from exc
     values.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**values)
+
+
+# --- checks, field types and docs ---
+_PORTS = ("port", "metrics_port")
+_ARTICLED: dict[type, str] = {float: "a number", int: "an int"}
+
+
+def _check(config: Any, component: str) -> None:
+    """Refuse a value of the wrong type or out of range, naming the setting that sets it."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kind, optional = _kind(config.__class__, f.name)
+        if value is None and optional:
+            continue
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        why = "" if ok else f"must be {_ARTICLED.get(kind, 'a ' + kind.__name__)}"
+        if not why and f.name == "replicas" and value not in (1, 2):
+            why = "must be 1 or 2"
+        elif not why and f.name == "storage_units" and value < 1:
+            why = "must be at least 1"
+        elif not why and f.name in _PORTS and not 0 <= value <= 65535:
+            why = "must be a TCP port (0 to 65535)"
+        elif not why and kind in (int, float) and not value >= 0:  # NaN too
+            why = "must be >= 0"
+        if why:
+            path = f"{component}.{f.name}" if component else f.name
+            setting = next((s for s in cluster_settings().values() if path in s.paths), None)
+            if setting is None:
+                name, hint = f"{type(config).__name__}.{f.name}", ""
+            else:
+                name, hint = setting.name, f" (tqstream-launch {setting.flag}, {setting.env})"
+            raise ConfigError(f"{name} {why}, got {value!r}{hint}", setting=name, value=value)
+
+
+@functools.cache
+def _kind(cls: type, name: str) -> tuple[type, bool]:
+    """The type of field ``name`` of dataclass ``cls``, and whether it may also be None."""
+    hint = typing.get_type_hints(cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) < len(typing.get_args(hint)):
+        return args[0], True
+    return hint, False
+
+
+@functools.cache
+def _docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field, so flags, errors and config share one text."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def _deprecated(message: str) -> None:
+    """A DeprecationWarning attributed to the first caller outside tqstream: Python's default
+    filters show it for the user's own code, and the line it names is theirs."""
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "tqstream":
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)

@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointVersionError",
     "ClosedError",
+    "ConfigError",
     "ConnectError",
     "ConnectionLostError",
     "DuplicateKeyError",
@@ -140,6 +141,13 @@ class InvalidRequestError(TQStreamError, ValueError):
     """A request argument is out of range (``batch_size <= 0``, a negative timeout, ...)."""
 
     code = "invalid_request"
+
+
+class ConfigError(TQStreamError, ValueError):
+    """A refused cluster setting: an unknown name, a value of the wrong type or out of range, an
+    old name given together with its new one, components that disagree on a cluster-wide value."""
+
+    code = "config"
 
 
 class AdmissionError(TQStreamError, ValueError):

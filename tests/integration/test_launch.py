@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tqstream
+from tqstream.config import cluster_settings
 
 
 def _launch(*args: str) -> tuple[subprocess.Popen[str], str]:
@@ -53,24 +54,45 @@ def _port_free(port: int) -> bool:
 
 
 def test_help_documents_every_flag() -> None:
+    """A flag per cluster setting (generated from the configuration dataclasses, with their
+    docstrings as help) and the launcher's own."""
     out = subprocess.run(
         [sys.executable, "-m", "tqstream.launch.processes", "--help"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    for flag in (
-        "--storage-units",
-        "--host",
-        "--port",
-        "--lease-timeout",
-        "--put-timeout",
-        "--max-message-bytes",
-        "--keys",
-        "--insecure",
-    ):
+    for setting in cluster_settings().values():
+        assert setting.flag in out and setting.env in out
+    for flag in ("--storage-units", "--storage-max-bytes", "--storage-timeout", "--insecure"):
         assert flag in out
-    assert "Seconds a leased batch stays leased" in out
+    assert "Seconds a leased batch stays leased" in " ".join(out.split())
+
+
+def test_flags_reach_the_servers() -> None:
+    """Flags (and a variable for a flag not given) set the cluster's settings in the children."""
+    env = {**os.environ, "TQSTREAM_MAX_ROWS": "3"}
+    flags = ["--storage-units", "2", "--storage-max-bytes", "123456", "--replicas", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tqstream.launch.processes", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert "controller + 2 storage units" in line, line
+        address = re.search(r"tcp://[\d.]+:\d+", line).group(0)  # type: ignore[union-attr]
+        with tqstream.connect(address) as client:
+            assert [u.max_bytes for u in client.stats().units] == [123456, 123456]
+            client.put({"x": torch.ones(2)}, "p")
+            assert client.stats().partitions["p"].replicas == 2
+            with pytest.raises(tqstream.CapacityError, match="max_rows=3"):
+                client.put({"x": torch.ones(2)}, "p")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -167,4 +189,5 @@ def test_bad_flag_value() -> None:
         text=True,
         timeout=30,
     )
-    assert out.returncode == 1 and "--storage-units must be at least 1" in out.stderr
+    assert out.returncode == 1
+    assert "storage_units must be at least 1, got 0 (tqstream-launch --storage-units" in out.stderr

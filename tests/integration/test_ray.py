@@ -1,7 +1,7 @@
 """The Ray deployment on a real multi-node Ray cluster on this machine (``ray.cluster_utils``: a
 head and two more nodes, each its own raylet): producers and consumers in actors pinned to
 different nodes, a storage-unit actor killed and restarted by Ray, nothing left after
-``shutdown()``, clients that find the cluster by name from a Ray task."""
+``close()``, clients that find the cluster by name from a Ray task."""
 
 from __future__ import annotations
 
@@ -244,7 +244,7 @@ def _port_free(address: str) -> bool:
     return True
 
 
-def test_shutdown_leaves_no_actor_process_or_port(nodes: list[str]) -> None:
+def test_close_leaves_no_actor_process_or_port(nodes: list[str]) -> None:
     cluster = tqstream.ray.launch(name="down")
     actors = [cluster.controller, *cluster.units]
     pids = ray.get([x.pid.remote() for x in actors])
@@ -253,13 +253,15 @@ def test_shutdown_leaves_no_actor_process_or_port(nodes: list[str]) -> None:
     with cluster.connect() as client:
         client.put(_rows(0, 4), "p")
     t0 = time.monotonic()
-    cluster.shutdown()
+    cluster.close()
     took = time.monotonic() - t0
     assert not any(_named(x) for x in ["down-controller"] + [f"down-unit-{i}" for i in range(3)])
     _until(lambda: all(_gone(p) for p in pids), 5.0)
     assert all(_port_free(x) for x in addresses)
-    cluster.shutdown()  # idempotent
-    assert took < 15.0, f"shutdown took {took:.1f}s"
+    cluster.close()  # idempotent
+    with pytest.warns(DeprecationWarning, match=r"use RayCluster\.close\(\)"):
+        cluster.shutdown()  # the old name
+    assert took < 15.0, f"close took {took:.1f}s"
 
 
 def test_a_detached_cluster_is_found_and_shut_down_by_name(nodes: list[str]) -> None:
@@ -364,6 +366,27 @@ def test_launch_refuses_bad_placement(nodes: list[str]) -> None:
         tqstream.ray.launch(1, name="bad", replicas=2)
     with pytest.raises(ValueError, match="no alive Ray node has 64 CPUs"):
         tqstream.ray.launch(name="bad", num_cpus=64)
+
+
+def test_launch_takes_a_cluster_config_and_the_old_names(nodes: list[str]) -> None:
+    """``config=`` reaches the actors (the quota and the row cap apply); ``num_storage_units``
+    still works, with a DeprecationWarning; settings the Ray deployment cannot apply, or an old
+    name given with its new one, are refused before anything starts."""
+    config = tqstream.ClusterConfig().with_settings(storage_max_bytes=123456, max_rows=4)
+    with pytest.warns(DeprecationWarning, match="use 'storage_units'"):
+        cluster = tqstream.ray.launch(
+            name="configured", config=config, num_storage_units=2, nodes=nodes[1:], num_cpus=0
+        )
+    with cluster, cluster.connect() as client:
+        assert [u.max_bytes for u in client.stats().units] == [123456, 123456]
+        client.put(_rows(0, 4), "p")
+        with pytest.raises(tqstream.CapacityError, match="max_rows=4"):
+            client.put(_rows(4, 1), "p")
+    with pytest.raises(tqstream.ConfigError, match="binds each actor to its node's IP"):
+        tqstream.ray.launch(name="bad", host="0.0.0.0")
+    with pytest.raises(tqstream.ConfigError, match="both were given"):
+        tqstream.ray.launch(1, name="bad", num_storage_units=2)
+    assert not _named("bad-controller")
 
 
 def test_without_ray_the_import_error_says_how_to_install() -> None:

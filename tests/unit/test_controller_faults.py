@@ -11,6 +11,7 @@ from test_controller_state import F32, get, new_state, prepare, put
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     CapacityError,
+    ConfigError,
     InvalidRequestError,
     LeaseExpiredError,
     PlacementRequiredError,
@@ -145,5 +146,5 @@ def test_a_stored_put_from_a_lost_unit_is_refused() -> None:
 def test_replicas_out_of_range_are_refused_by_the_state_and_the_launcher() -> None:
     with pytest.raises(InvalidRequestError, match="replicas must be 1 or 2, got 3"):
         new_state(1).create_partition("p", ["a"], replicas=3)
-    with pytest.raises(ValueError, match="--replicas must be 1 or 2, got 0"):
+    with pytest.raises(ConfigError, match=r"replicas must be 1 or 2, got 0 \(tqstream-launch"):
         ProcessCluster(1, replicas=0)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from tqstream.config import ClientConfig, ControllerConfig
+from tqstream.config import ControllerConfig
 from tqstream.controller.checkpoint import Checkpoints
 from tqstream.controller.state import ControllerState, Effects
 from tqstream.errors import InvalidRequestError, TQStreamError
@@ -468,8 +468,8 @@ class ControllerService:
             self.ctx,
             inproc or address,
             role="controller",
-            connect_timeout=ClientConfig.connect_timeout,
-            heartbeat_interval=ClientConfig.heartbeat_interval,
+            connect_timeout=self.config.connect_timeout,
+            heartbeat_interval=self.config.heartbeat_interval,
             max_message_bytes=self.config.max_message_bytes,
             keys=self.keys,
         )

@@ -16,8 +16,17 @@ from typing import Any
 import zmq
 
 from tqstream.client.loop import LoopThread
-from tqstream.config import ClientConfig, ControllerConfig, StorageConfig, from_env
+from tqstream.config import (
+    ClientConfig,
+    ClusterConfig,
+    ControllerConfig,
+    StorageConfig,
+    cluster_config,
+    from_env,
+    is_loopback,
+)
 from tqstream.controller.service import ControllerService
+from tqstream.errors import ConfigError
 from tqstream.protocol.auth import ensure_keys
 from tqstream.protocol.transport import context
 from tqstream.storage.service import StorageService
@@ -114,63 +123,44 @@ class EmbeddedCluster:
 
 def init(
     *,
-    storage_units: int = 1,
-    lease_timeout: float | None = None,
-    put_timeout: float | None = None,
-    max_message_bytes: int | None = None,
-    storage_max_bytes: int | None = None,
-    replicas: int | None = None,
-    keys: str | None = None,
-    metrics_port: int | None = None,
+    config: ClusterConfig | None = None,
     client_config: ClientConfig | None = None,
-    max_rows: int | None = None,
+    **settings: Any,
 ) -> Any:
-    """Start an embedded controller and ``storage_units`` storage units; return a client.
+    """Start an embedded controller and storage units in this process; return a client of them.
 
-    ``storage_max_bytes``: byte quota per storage unit (puts wait for room, then raise
-    CapacityError). ``replicas``: copies of each row (2 needs ``storage_units >= 2``; see
-    ``ControllerConfig.replicas``). ``keys``: path of a CURVE key file, made if missing; the
-    servers' TCP address (``client.address``, for other processes) then serves only peers holding
-    it, while this client reaches them in-process, where no handshake applies. Closing the client
-    stops them. ``metrics_port``: serve Prometheus metrics at ``http://127.0.0.1:PORT/metrics``
-    (docs/observability.md). ``max_rows``: rows the cluster holds at most (puts beyond raise
-    CapacityError). Settings left as None come from ``TQSTREAM_*`` environment
-    variables or the defaults in :mod:`tqstream.config`.
+    ``config``: the cluster (:class:`tqstream.ClusterConfig`; None: the defaults, then the
+    ``TQSTREAM_*`` environment variables); keyword ``settings`` change it by name, as every
+    deployment takes them (docs/deployment.md lists them): ``storage_units`` (default 1),
+    ``storage_max_bytes`` (byte quota per unit), ``replicas``, ``lease_timeout``, ``max_rows``,
+    ``metrics_port`` (Prometheus at ``http://127.0.0.1:PORT/metrics``), ``keys``, ... The servers
+    bind loopback (``host`` must be a loopback address). ``keys``: path of a CURVE key file, made
+    if missing; the servers' TCP address (``client.address``, for other processes) then serves
+    only peers holding it, while this client reaches them in-process, where no handshake applies.
+    ``client_config``: the returned client's. Closing the client stops the servers.
     """
     from tqstream.client.client import Client
 
-    cc = from_env(
-        ControllerConfig,
-        lease_timeout=lease_timeout,
-        put_timeout=put_timeout,
-        max_message_bytes=max_message_bytes,
-        replicas=replicas,
-        host="127.0.0.1",
-        port=0,
-        keys=keys,
-        metrics_port=metrics_port,
-        max_rows=max_rows,
-    )
+    cluster_cfg = cluster_config(config, **settings)
+    cc = cluster_cfg.controller
+    if not is_loopback(cc.host):
+        raise ConfigError(
+            f"host={cc.host!r}: the embedded cluster binds loopback only; to serve other machines "
+            f"start it with tqstream-launch or tqstream.ray.launch",
+            setting="host",
+        )
     if cc.keys:
         ensure_keys(cc.keys)  # made here, once: the servers only load it
-    sc = from_env(
-        StorageConfig,
-        max_message_bytes=max_message_bytes,
-        max_bytes=storage_max_bytes,
-        host="127.0.0.1",
-        port=0,
-        keys=cc.keys,
-    )
-    config = client_config or from_env(ClientConfig)
-    if cc.keys and not config.keys:  # what this client's config hands on to other processes
-        config = dataclasses.replace(config, keys=cc.keys)
-    cluster = EmbeddedCluster(cc, sc, storage_units)
+    client_cfg = client_config or from_env(ClientConfig)
+    if cc.keys and not client_cfg.keys:  # what this client's config hands on to other processes
+        client_cfg = dataclasses.replace(client_cfg, keys=cc.keys)
+    cluster = EmbeddedCluster(cc, cluster_cfg.storage, cluster_cfg.storage_units or 1)
     try:
         # the client shares the servers' loop thread: a request and its answer then run on one
         # thread, with no hand-over of the GIL between the client's and the servers' threads
         return Client(
             cluster.address,
-            config,
+            client_cfg,
             inproc_address=cluster.controller.server.inproc_address,
             on_close=cluster.close,
             io=cluster.io,

@@ -9,6 +9,11 @@ controller dies, it stops every child (SIGTERM, then SIGKILL after a grace perio
 children also exit on their own if the launcher dies (they watch a pipe from it), so no orphan
 keeps a port.
 
+Its flags are the cluster settings (``tqstream.config.cluster_settings``: one per field of the
+configuration dataclasses, with their docstrings as help), and each child gets its component's
+configuration whole, as JSON of the dataclass (``python -m tqstream.launch.worker ROLE --config
+JSON``), so a new setting needs no edit here.
+
 With ``--keys PATH`` (made if missing) every server serves only peers that hold that CURVE key
 file. A ``--host`` other than loopback needs keys, or ``--insecure`` to serve anyone who reaches
 the port (docs/security.md).
@@ -17,11 +22,6 @@ the port (docs/security.md).
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
-import ipaddress
-import itertools
 import logging
 import os
 import signal
@@ -29,9 +29,20 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
-from tqstream.config import ControllerConfig, StorageConfig, from_env
+import msgspec
+
+from tqstream.config import (
+    ClusterConfig,
+    ControllerConfig,
+    StorageConfig,
+    cluster_config,
+    cluster_settings,
+    is_loopback,
+)
+from tqstream.errors import ConfigError
 from tqstream.launch.worker import LOG_FORMAT
 from tqstream.protocol import shm
 from tqstream.protocol.auth import ensure_keys
@@ -43,83 +54,59 @@ READY_TIMEOUT = 60.0
 _log = logging.getLogger("tqstream.launch")
 
 
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the servers reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name, or * (every interface)
-        return False
-
-
 class ProcessCluster:
-    """A controller and ``storage_units`` storage units in child processes.
+    """A controller and its storage units in child processes (what ``tqstream-launch`` runs).
 
-    ``keys``: path of the cluster's CURVE key file, made if missing (None: ``TQSTREAM_KEYS``, if
-    set); clients pass the same path. A ``host`` other than loopback refuses to start without keys
-    unless ``insecure``. ``metrics_port``: the controller serves Prometheus metrics there
-    (``metrics_address``). ``log_level``: of the children's ``tqstream`` log lines on stderr
-    (``tqstream-launch`` uses INFO)."""
+    ``config``: the cluster (:class:`tqstream.ClusterConfig`; None: the defaults, then the
+    ``TQSTREAM_*`` environment variables); ``storage_units`` (default 1) and the keyword
+    ``settings`` change it by name, as every deployment takes them (docs/deployment.md):
+    ``host``, ``port``, ``keys``, ``storage_max_bytes``, ``replicas``, ``metrics_port``, ...
+    ``keys``: path of the cluster's CURVE key file, made if missing; clients pass the same path.
+    A ``host`` other than loopback refuses to start without keys unless ``insecure``.
+    ``log_level``: of the children's ``tqstream`` log lines on stderr (``tqstream-launch`` uses
+    INFO). Each child gets its component's configuration as JSON of the dataclass."""
 
     def __init__(
         self,
-        storage_units: int = 1,
+        storage_units: int | None = None,
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        lease_timeout: float | None = None,
-        put_timeout: float | None = None,
-        max_message_bytes: int | None = None,
-        storage_max_bytes: int | None = None,
-        replicas: int | None = None,
-        keys: str | None = None,
+        config: ClusterConfig | None = None,
         insecure: bool = False,
-        metrics_port: int | None = None,
         log_level: str = "WARNING",
+        **settings: Any,
     ) -> None:
-        if storage_units < 1:
-            raise ValueError(f"--storage-units must be at least 1, got {storage_units}")
-        if replicas is not None and replicas not in (1, 2):
-            raise ValueError(f"--replicas must be 1 or 2, got {replicas}")
-        keys = from_env(ControllerConfig).keys if keys is None else keys
-        self.keys = os.path.abspath(keys) if keys else ""
+        config = cluster_config(config, storage_units=storage_units, **settings)
+        config = config.with_settings(
+            storage_units=config.storage_units or 1,
+            keys=os.path.abspath(config.controller.keys) if config.controller.keys else None,
+        )
+        self.config = config
+        """The cluster as started: environment and settings applied, the key file's path made
+        absolute."""
+        self.keys = config.controller.keys
         """The key file clients need ("": none)."""
+        host = config.controller.host
         if not self.keys and not insecure and not is_loopback(host):
-            raise ValueError(
+            raise ConfigError(
                 f"--host {host} is reachable from other machines and the cluster has no keys: "
                 f"anyone reaching the port could read, write and clear every partition; pass "
                 f"--keys PATH (made if missing; clients then set TQSTREAM_KEYS=PATH), or "
-                f"--insecure on a network you trust"
+                f"--insecure on a network you trust",
+                setting="host",
             )
         if self.keys:
             ensure_keys(self.keys)  # before any child: they all load the same file
         self.procs: list[subprocess.Popen[str]] = []
         self.restarts = 0
-        extra = ["--keys", self.keys, "--log-level", log_level]
-        for flag, value in (
-            ("--lease-timeout", lease_timeout),
-            ("--put-timeout", put_timeout),
-            ("--max-message-bytes", max_message_bytes),
-        ):
-            if value is not None:
-                extra += [flag, str(value)]
+        self._log_level = log_level
         try:
-            ctrl_args = [] if replicas is None else ["--replicas", str(replicas)]
-            if metrics_port:
-                ctrl_args += ["--metrics-port", str(metrics_port)]
-            controller = self._spawn(
-                ["controller", "--host", host, "--port", str(port), *extra, *ctrl_args]
-            )
+            controller = self._spawn("controller", config.controller)
             self.address = self._ready(controller, "controller")
-            self.metrics_address = (
-                f"http://{host}:{metrics_port}/metrics" if metrics_port else ""
-            )  # fmt: skip
+            port = config.controller.metrics_port
+            self.metrics_address = f"http://{host}:{port}/metrics" if port else ""
             """The controller's Prometheus endpoint ("": none)."""
-            quota = [] if storage_max_bytes is None else ["--max-bytes", str(storage_max_bytes)]
-            self._unit_args = ["--host", host, "--controller", self.address, *extra, *quota]
             units = [
-                self._spawn(["storage", *self._unit_args]) for _ in range(storage_units)
+                self._spawn("storage", config.storage) for _ in range(config.storage_units or 1)
             ]  # start together, then wait for each
             self.unit_addresses = [self._ready(u, "storage unit") for u in units]
         except BaseException:
@@ -136,19 +123,27 @@ class ProcessCluster:
         for stream in (old.stdin, old.stdout):
             if stream is not None:
                 stream.close()
-        port = self.unit_addresses[i].rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "tqstream.launch.worker", "storage", *self._unit_args]
-        cmd += ["--port", port, "--watch-stdin"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.procs[i + 1] = proc
+        port = int(self.unit_addresses[i].rsplit(":", 1)[1])
+        proc = self._spawn("storage", replace(self.config.storage, port=port), at=i + 1)
         self.unit_addresses[i] = self._ready(proc, "storage unit")
         self.restarts += 1
         return self.unit_addresses[i]
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "tqstream.launch.worker", *args, "--watch-stdin"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.procs.append(proc)
+    def _spawn(
+        self, role: str, config: ControllerConfig | StorageConfig, at: int | None = None
+    ) -> subprocess.Popen[str]:
+        """Start a child with its configuration, as ``procs[at]`` (None: appended)."""
+        cmd = [sys.executable, "-m", "tqstream.launch.worker", role]
+        cmd += ["--config", msgspec.json.encode(config).decode(), "--log-level", self._log_level]
+        if role == "storage":
+            cmd += ["--controller", self.address]
+        proc = subprocess.Popen(
+            [*cmd, "--watch-stdin"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        if at is None:
+            self.procs.append(proc)
+        else:
+            self.procs[at] = proc
         return proc
 
     @staticmethod
@@ -210,34 +205,24 @@ class ProcessCluster:
         self.close()
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field, so flags and config share one description."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, after in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-        ):
-            docs[node.target.id] = str(after.value.value)
-    return docs
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tqstream-launch",
         description="Start a tqstream controller and storage units as processes. Prints "
         "'tqstream ready at tcp://HOST:PORT' once all serve; clients then call "
-        "tqstream.connect(that address). Stops everything on SIGINT/SIGTERM.",
+        "tqstream.connect(that address). Stops everything on SIGINT/SIGTERM. Every cluster "
+        "setting has a flag; one not given comes from its TQSTREAM_* variable, else its default.",
     )
-    p.add_argument(
-        "--storage-units",
-        type=int,
-        default=1,
-        help="Number of storage-unit processes (default: 1).",
-    )
+    for s in cluster_settings().values():
+        default = "unset" if s.default is None else repr(s.default)
+        p.add_argument(
+            s.flag,
+            dest=s.name,
+            type=s.kind,
+            default=None,
+            metavar=s.kind.__name__.upper(),
+            help=f"{s.doc} (default: {default}; {s.env})".replace("%", "%%"),
+        )
     p.add_argument(
         "--on-unit-exit",
         choices=["restart", "stop"],
@@ -245,31 +230,6 @@ def _parser() -> argparse.ArgumentParser:
         help="What to do when a storage-unit process exits: start it again at the same address "
         "(its rows are counted lost unless replicated) or stop the whole cluster "
         "(default: restart).",
-    )
-    docs = _field_docs(ControllerConfig)
-    for f in dataclasses.fields(ControllerConfig):
-        if f.name in ("storage_timeout", "keys"):
-            continue
-        p.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            type=type(f.default),
-            default=f.default,
-            help=f"{docs.get(f.name, '')} (default: {f.default})",
-        )
-    sdocs = _field_docs(StorageConfig)
-    p.add_argument(
-        "--storage-max-bytes",
-        type=int,
-        default=StorageConfig.max_bytes,
-        help=f"{sdocs['max_bytes']} Per storage unit. (default: {StorageConfig.max_bytes})",
-    )
-    p.add_argument(
-        "--keys",
-        default=None,
-        metavar="PATH",
-        help="The cluster's CURVE key file, made (mode 0600) if missing: every server then "
-        "serves only peers holding it, encrypted; clients pass ClientConfig(keys=PATH) or set "
-        "TQSTREAM_KEYS=PATH. (default: $TQSTREAM_KEYS, else no keys)",
     )
     p.add_argument(
         "--insecure",
@@ -313,27 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         cluster = ProcessCluster(
-            args.storage_units,
-            host=args.host,
-            port=args.port,
-            lease_timeout=args.lease_timeout,
-            put_timeout=args.put_timeout,
-            max_message_bytes=args.max_message_bytes,
-            storage_max_bytes=args.storage_max_bytes or None,
-            replicas=args.replicas,
-            keys=args.keys,
             insecure=args.insecure,
-            metrics_port=args.metrics_port or None,
             log_level=args.log_level,
+            **{name: getattr(args, name) for name in cluster_settings()},
         )
-    except (RuntimeError, ValueError, OSError) as exc:  # KeyFileError is a ValueError
+    except (RuntimeError, ValueError, OSError) as exc:  # ConfigError, KeyFileError: ValueErrors
         _log.error("%s", exc)
         return 1
     keys = f"clients set TQSTREAM_KEYS={cluster.keys}; " if cluster.keys else ""
     if cluster.metrics_address:
         keys += f"metrics at {cluster.metrics_address}; "
     print(
-        f"tqstream ready at {cluster.address} (controller + {args.storage_units} storage "
+        f"tqstream ready at {cluster.address} (controller + {len(cluster.unit_addresses)} storage "
         f"units; {keys}stop with Ctrl-C)",
         flush=True,
     )

@@ -1,5 +1,9 @@
 """Entry point of one server process started by ``tqstream-launch``: a controller or a storage unit.
 
+It takes its configuration whole, as JSON of its ``ControllerConfig`` or ``StorageConfig``
+(``--config``, decoded and type-checked by msgspec), so the settings are listed in one place:
+``tqstream/config.py``.
+
 It prints ``READY <address>`` on stdout once it serves (a storage unit: once registered), then
 serves until SIGTERM/SIGINT, or until its stdin reaches EOF — the launcher holds the other end of
 that pipe, so if the launcher dies for any reason, even SIGKILL, its children exit too and no
@@ -16,8 +20,10 @@ import signal
 import sys
 from typing import Any
 
+import msgspec
+
 from tqstream.client.loop import log_loop_errors
-from tqstream.config import ControllerConfig, StorageConfig, from_env
+from tqstream.config import ControllerConfig, StorageConfig
 from tqstream.errors import TQStreamError
 
 _log = logging.getLogger("tqstream")
@@ -43,34 +49,13 @@ async def _run(args: argparse.Namespace) -> None:
     if args.role == "controller":  # the controller never imports torch: it starts in ~0.2 s
         from tqstream.controller.service import ControllerService
 
-        service = ControllerService(
-            from_env(
-                ControllerConfig,
-                host=args.host,
-                port=args.port,
-                lease_timeout=args.lease_timeout,
-                put_timeout=args.put_timeout,
-                max_message_bytes=args.max_message_bytes,
-                replicas=args.replicas,
-                keys=args.keys,
-                metrics_port=args.metrics_port,
-            )
-        )
+        service = ControllerService(msgspec.json.decode(args.config, type=ControllerConfig))
         serving = loop.create_task(service.serve(), name="tqstream-controller")
     else:
         from tqstream.storage.service import StorageService
 
-        service = StorageService(
-            from_env(
-                StorageConfig,
-                host=args.host,
-                port=args.port,
-                max_message_bytes=args.max_message_bytes,
-                max_bytes=args.max_bytes,
-                keys=args.keys,
-            ),
-            args.controller,
-        )
+        config = msgspec.json.decode(args.config, type=StorageConfig)
+        service = StorageService(config, args.controller)
         serving = loop.create_task(service.serve(), name="tqstream-storage")
         await service.register()
     print(f"READY {service.address}", flush=True)
@@ -86,23 +71,18 @@ async def _run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tqstream.launch.worker")
     p.add_argument("role", choices=["controller", "storage"])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--controller", default=None)
-    p.add_argument("--lease-timeout", type=float, default=None)
-    p.add_argument("--put-timeout", type=float, default=None)
-    p.add_argument("--max-message-bytes", type=int, default=None)
-    p.add_argument("--max-bytes", type=int, default=None)
-    p.add_argument("--replicas", type=int, default=None)
-    p.add_argument("--keys", default=None)
-    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument(
+        "--config", required=True, help="the role's ControllerConfig or StorageConfig, as JSON"
+    )
+    p.add_argument("--controller", default=None, help="the controller's address (storage)")
     p.add_argument("--watch-stdin", action="store_true")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         asyncio.run(_run(args))
-    except (OSError, ValueError, TQStreamError) as exc:  # cannot bind, bad keys, no controller
+    # cannot bind, bad keys or configuration (msgspec.ValidationError), no controller
+    except (OSError, ValueError, TQStreamError) as exc:
         _log.error("tqstream %s cannot start: %s", args.role, exc)
         sys.exit(1)
 

@@ -2,7 +2,7 @@
 
     cluster = tqstream.ray.launch(name="tqstream")       # in the job's driver: one unit per node
     client = tqstream.ray.connect(name="tqstream")       # in any task or actor of the job
-    cluster.shutdown()                                   # or the driver's exit
+    cluster.close()                                      # or the driver's exit
 
 Ray is placement, discovery and lifecycle only: clients find the controller actor by name, then
 every byte moves over tqstream's own sockets (shared memory with a storage unit on the same host),

@@ -1,4 +1,4 @@
-"""``launch`` a tqstream cluster as Ray actors, ``connect`` to it by name, ``shutdown``.
+"""``launch`` a tqstream cluster as Ray actors, ``connect`` to it by name, ``shutdown`` it by name.
 
 Ray does placement, discovery and lifecycle: the controller actor is named ``<name>-controller``
 in a Ray namespace, the storage units ``<name>-unit-<i>``; clients look the controller up by name
@@ -6,8 +6,8 @@ and from then on talk to the servers over tqstream's own sockets (shared memory 
 host), never through Ray.
 
 Lifetimes: the actors belong to the process that launched them (Ray ends them when it exits)
-unless ``detached=True``, and ``RayCluster.shutdown()`` ends them at once: each actor closes its
-sockets first, so its ports are free, then Ray kills it and ``shutdown`` waits until it is gone.
+unless ``detached=True``, and ``RayCluster.close()`` ends them at once: each actor closes its
+sockets first, so its ports are free, then Ray kills it and ``close`` waits until it is gone.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tqstream.config import ClientConfig, ControllerConfig, StorageConfig, from_env
-from tqstream.errors import ConnectError
+from tqstream.config import ClientConfig, ClusterConfig, ControllerConfig, cluster_config, from_env
+from tqstream.errors import ConfigError, ConnectError
 from tqstream.protocol.shm import process_key
 from tqstream.ray.actors import ControllerActor, StorageUnitActor, controller_name, unit_name
 
@@ -32,10 +33,10 @@ if TYPE_CHECKING:
 __all__ = ["RayCluster", "connect", "launch", "shutdown"]
 
 STOP_TIMEOUT = 10.0
-"""Seconds ``shutdown`` waits for an actor to close its sockets before killing it anyway."""
+"""Seconds ``close`` waits for an actor to close its sockets before killing it anyway."""
 
 GONE_TIMEOUT = 30.0
-"""Seconds ``shutdown`` waits for Ray to report a killed actor dead and release its name."""
+"""Seconds ``close`` waits for Ray to report a killed actor dead and release its name."""
 
 _Controller: Any = ray.remote(ControllerActor)
 _Unit: Any = ray.remote(StorageUnitActor)
@@ -46,7 +47,7 @@ class RayCluster:
 
     ``address``: the controller's ``tcp://IP:PORT``. ``controller`` / ``units``: the actor
     handles (``units[i]`` is storage unit ``i`` of the launch, ``<name>-unit-<i>``). Use it as a
-    context manager, or call ``shutdown()``."""
+    context manager, or call ``close()``."""
 
     def __init__(
         self,
@@ -98,7 +99,7 @@ class RayCluster:
 
         return Client(self.address, _with_keys(config, self.keys))
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """Stop every actor and wait until it is gone: Ray reports it dead, its name is free,
         and its process has exited (watched where this process can see it: the same host).
         Idempotent. Clients still connected get ConnectionLostError."""
@@ -124,11 +125,21 @@ class RayCluster:
             if key and key == here:
                 _until(lambda pid=pid: not _running(pid), deadline, f"actor process {pid}")
 
+    def shutdown(self) -> None:
+        """Deprecated name of :meth:`close` (the name every tqstream cluster and client uses)."""
+        warnings.warn(
+            "RayCluster.shutdown() is deprecated and will be removed in the next release: use "
+            "RayCluster.close()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.close()
+
     def __enter__(self) -> RayCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+        self.close()
 
     def __repr__(self) -> str:
         return (
@@ -138,30 +149,31 @@ class RayCluster:
 
 
 def launch(
-    num_storage_units: int | None = None,
+    storage_units: int | None = None,
     *,
+    config: ClusterConfig | None = None,
     name: str = "tqstream",
     namespace: str | None = None,
     nodes: Sequence[str] | None = None,
     controller_node: str | None = None,
     num_cpus: float = 1.0,
-    port: int = 0,
-    lease_timeout: float | None = None,
-    put_timeout: float | None = None,
-    max_message_bytes: int | None = None,
-    storage_max_bytes: int | None = None,
-    replicas: int | None = None,
-    keys: str | None = None,
-    metrics_port: int | None = None,
-    max_rows: int | None = None,
     unit_max_restarts: int = -1,
     detached: bool = False,
     timeout: float = 120.0,
+    **settings: Any,
 ) -> RayCluster:
     """Start a controller and storage units as Ray actors; return once every unit serves.
 
+    ``config``: the cluster (:class:`tqstream.ClusterConfig`; None: the defaults, then the
+    ``TQSTREAM_*`` variables of this process); ``storage_units`` and the keyword ``settings``
+    change it by name, as every deployment takes them (docs/deployment.md): ``port`` (the
+    controller's; 0: a free one), ``storage_max_bytes``, ``replicas``, ``lease_timeout``,
+    ``max_rows``, ``metrics_port`` (the controller's Prometheus endpoint), ``keys`` (the cluster's
+    CURVE key file, made here if missing; it must be readable at this path on every node, and by
+    clients), ... Each actor binds its node's IP, so ``host`` is not taken.
+
     Placement: the storage units go one per node, in turn over ``nodes`` (Ray node ids; default:
-    every alive node with ``num_cpus`` CPUs), so ``num_storage_units=None`` is one unit per node;
+    every alive node with ``num_cpus`` CPUs), so ``storage_units`` unset is one unit per node;
     the controller goes on ``controller_node``, else on this process's node if it has room.
     ``num_cpus``: logical CPUs each actor reserves (0 allowed); they take no GPU.
 
@@ -170,19 +182,16 @@ def launch(
     :func:`shutdown`); by default Ray ends them with it. ``unit_max_restarts``: how often Ray
     restarts a storage unit whose process died (-1: always); a restarted unit serves at its old
     address and the controller revives it, empty. The controller is never restarted.
-
-    ``port``: the controller's port (0: a free one). ``keys``: the cluster's CURVE key file,
-    made here if missing; it must be readable at this path on every node (and by clients).
-    ``metrics_port``: the controller's Prometheus endpoint. ``max_rows``: rows the cluster holds
-    at most. The other settings are those of
-    :func:`tqstream.init` and ``tqstream-launch``; left as None they come from ``TQSTREAM_*``
-    variables of this process, or the defaults. ``timeout``: seconds to wait for the actors to
-    be placed and serving, then RuntimeError (everything started is stopped).
+    ``timeout``: seconds to wait for the actors to be placed and serving, then RuntimeError
+    (everything started is stopped).
     """
-    if num_storage_units is not None and num_storage_units < 1:
-        raise ValueError(f"num_storage_units must be at least 1, got {num_storage_units}")
-    if replicas is not None and replicas not in (1, 2):
-        raise ValueError(f"replicas must be 1 or 2, got {replicas}")
+    config = cluster_config(config, storage_units=storage_units, **settings)
+    if config.controller.host != ControllerConfig.host:
+        raise ConfigError(
+            f"host={config.controller.host!r}: the Ray deployment binds each actor to its node's "
+            f"IP; leave host unset (TQSTREAM_HOST too)",
+            setting="host",
+        )
     if num_cpus < 0:
         raise ValueError(f"num_cpus must be >= 0, got {num_cpus}")
     if not ray.is_initialized():
@@ -193,34 +202,19 @@ def launch(
             f"a tqstream cluster named {name!r} already runs in Ray namespace {namespace!r}; "
             f"shut it down (tqstream.ray.shutdown(name={name!r})) or launch with another name"
         )
-    placed = _unit_nodes(num_storage_units, nodes, num_cpus)
-    if (replicas or 1) > len(placed):
-        raise ValueError(
-            f"replicas={replicas} needs at least {replicas} storage units, got {len(placed)}"
+    placed = _unit_nodes(config.storage_units, nodes, num_cpus)
+    replicas = config.controller.replicas
+    if replicas > len(placed):
+        raise ConfigError(
+            f"replicas={replicas} needs at least {replicas} storage units, got {len(placed)}",
+            setting="replicas",
         )
     from tqstream.protocol.auth import ensure_keys
 
-    cc = from_env(
-        ControllerConfig,
-        port=port,
-        lease_timeout=lease_timeout,
-        put_timeout=put_timeout,
-        max_message_bytes=max_message_bytes,
-        replicas=replicas,
-        keys=keys,
-        metrics_port=metrics_port,
-        max_rows=max_rows,
-    )
-    if cc.keys:
-        cc = dataclasses.replace(cc, keys=os.path.abspath(cc.keys))
-        ensure_keys(cc.keys)  # made here, once: the actors only load it
-    sc = from_env(
-        StorageConfig,
-        port=0,
-        max_message_bytes=max_message_bytes,
-        max_bytes=storage_max_bytes,
-        keys=cc.keys,
-    )
+    if config.controller.keys:
+        config = config.with_settings(keys=os.path.abspath(config.controller.keys))
+        ensure_keys(config.controller.keys)  # made here, once: the actors only load it
+    cc, sc = config.controller, config.storage
     common: dict[str, Any] = {"namespace": namespace, "num_cpus": num_cpus, "num_gpus": 0}
     if detached:
         common["lifetime"] = "detached"
@@ -288,13 +282,13 @@ def connect(
 
 
 def shutdown(name: str = "tqstream", *, namespace: str | None = None) -> bool:
-    """Shut down the cluster ``name`` wherever it was launched (see ``RayCluster.shutdown``);
+    """Shut down the cluster ``name`` wherever it was launched (see ``RayCluster.close``);
     False if no cluster of that name runs in the namespace."""
     try:
         cluster = RayCluster.attach(name, namespace=namespace)
     except ConnectError:
         return False
-    cluster.shutdown()
+    cluster.close()
     return True
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tqstream.config import ClientConfig, StorageConfig
+from tqstream.config import StorageConfig
 from tqstream.errors import (
     ClosedError,
     InternalError,
@@ -156,8 +156,8 @@ class StorageService:
             self.ctx,
             self.controller,
             role="storage",
-            connect_timeout=ClientConfig.connect_timeout,
-            heartbeat_interval=ClientConfig.heartbeat_interval,
+            connect_timeout=self.config.connect_timeout,
+            heartbeat_interval=self.config.heartbeat_interval,
             max_message_bytes=self.config.max_message_bytes,
             keys=self.keys,
         )

@@ -71,7 +71,7 @@ def _ray(config: TQStreamDataPlaneConfig, bootstrap: bool) -> tuple[Client, Clos
             raise
     cluster = ray_cluster.launch(config.storage_units, name=name, namespace=namespace)
     try:
-        return cluster.connect(), cluster.shutdown
+        return cluster.connect(), cluster.close
     except BaseException:
-        cluster.shutdown()
+        cluster.close()
         raise

@@ -25,7 +25,7 @@ from typing import Any
 
 from tqstream.compat.transfer_queue.config import ADDRESS_ENV, KEYS_ENV, Settings
 from tqstream.compat.transfer_queue.errors import ForeignControllerError
-from tqstream.config import ClientConfig, from_env
+from tqstream.config import ClientConfig, ClusterConfig, from_env
 
 __all__ = ["ACTOR", "NAMESPACE", "Found", "Started", "find", "start"]
 
@@ -96,15 +96,7 @@ def start(settings: Settings, conf: dict[str, Any]) -> Started:
         settings.deployment == "auto" and ray is not None and ray.is_initialized()
     )
     metrics_port = (settings.metrics_port or _free_port()) if settings.metrics else None
-    if use_ray:
-        return _start_ray(settings, conf, metrics_port)
-    return _start_embedded(settings, conf, metrics_port)
-
-
-def _start_embedded(settings: Settings, conf: dict[str, Any], metrics_port: int | None) -> Started:
-    import tqstream
-
-    client = tqstream.init(
+    cluster = ClusterConfig.from_env(  # what the config leaves unset: tqstream's environment
         storage_units=settings.storage_units,
         lease_timeout=settings.lease_timeout,
         put_timeout=settings.put_timeout,
@@ -114,6 +106,16 @@ def _start_embedded(settings: Settings, conf: dict[str, Any], metrics_port: int 
         metrics_port=metrics_port,
         max_rows=settings.max_rows or None,
     )
+    if use_ray:
+        return _start_ray(settings, conf, cluster)
+    return _start_embedded(conf, cluster)
+
+
+def _start_embedded(conf: dict[str, Any], cluster: ClusterConfig) -> Started:
+    import tqstream
+
+    client = tqstream.init(config=cluster)
+    metrics_port = cluster.controller.metrics_port
     keys = client.config.keys
     os.environ[ADDRESS_ENV] = client.address
     if keys:
@@ -130,23 +132,13 @@ def _start_embedded(settings: Settings, conf: dict[str, Any], metrics_port: int 
     return Started(client.address, keys, conf, stop, client)
 
 
-def _start_ray(settings: Settings, conf: dict[str, Any], metrics_port: int | None) -> Started:
+def _start_ray(settings: Settings, conf: dict[str, Any], config: ClusterConfig) -> Started:
     import ray
 
     import tqstream.ray
 
     cluster = tqstream.ray.launch(
-        settings.storage_units,
-        name=CLUSTER,
-        namespace=NAMESPACE,
-        num_cpus=settings.num_cpus,
-        lease_timeout=settings.lease_timeout,
-        put_timeout=settings.put_timeout,
-        storage_max_bytes=settings.storage_max_bytes or None,
-        replicas=settings.replicas,
-        keys=settings.keys,
-        metrics_port=metrics_port,
-        max_rows=settings.max_rows or None,
+        config=config, name=CLUSTER, namespace=NAMESPACE, num_cpus=settings.num_cpus
     )
     try:
         metrics = cluster.metrics_address
@@ -160,7 +152,7 @@ def _start_ray(settings: Settings, conf: dict[str, Any], metrics_port: int | Non
         )
         ray.get(actor.endpoint.remote())
     except BaseException:
-        cluster.shutdown()
+        cluster.close()
         raise
 
     def stop() -> None:
@@ -168,7 +160,7 @@ def _start_ray(settings: Settings, conf: dict[str, Any], metrics_port: int | Non
             ray.get(actor.stop.remote(), timeout=10)
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
-        cluster.shutdown()
+        cluster.close()
 
     _log.info(
         "transfer_queue: tqstream cluster as Ray actors (namespace %r) at %s",
