@@ -179,6 +179,16 @@ def test_a_column_is_taken_as_it_is():
     assert back.offsets.tolist() == [0, 1, 1, 3] and torch.equal(back.values, values)
 
 
+def test_empty_packed_values_beyond_the_frame_are_malformed():
+    """An empty field of a packed frame reads nothing; its offset must still lie in the frame."""
+    schema = FieldSchema("dense", "bool", (0,))
+    ok = ColumnRef("m", schema, BufferRef(1, "bool", (3, 0), 16), None)
+    assert column_from_wire(ok, [b"header", bytes(16)], 3).values.shape == (3, 0)
+    bad = ColumnRef("m", schema, BufferRef(1, "bool", (3, 0), 17), None)
+    with pytest.raises(MalformedMessageError, match="values at offset 17 of frame 1 lie beyond"):
+        column_from_wire(bad, [b"header", bytes(16)], 3)
+
+
 def test_empty_tensors_of_any_strides_go_on_the_wire():
     """numpy hands out empty arrays with stride 0: they are zero bytes, whatever the strides."""
     empty = torch.from_numpy(np.arange(4)[np.zeros(4, dtype=bool)])

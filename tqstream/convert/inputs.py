@@ -103,8 +103,6 @@ def columns_from_data(data: Any) -> tuple[int, dict[str, Column]]:
 
 
 def _column(name: str, value: Any) -> Column:
-    from tensordict import NonTensorData, NonTensorStack, TensorDictBase
-
     if isinstance(value, Column):
         return _given_column(name, value)
     if isinstance(value, torch.Tensor):
@@ -115,6 +113,9 @@ def _column(name: str, value: Any) -> Column:
         if value.dtype.kind in "OUS":  # object / str / bytes arrays
             return _object_column(name, value.tolist())
         return _tensor_column(name, _from_numpy(name, value))
+    # imported here, past the tensors: an import statement costs ~1 µs a call even when loaded
+    from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
     if isinstance(value, (NonTensorStack, NonTensorData)):
         rows = value.tolist()  # NonTensorData with batch_size [n] repeats its value n times
         if not isinstance(rows, list):

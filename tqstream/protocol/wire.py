@@ -149,11 +149,15 @@ def _tensor_from_frame(ref: BufferRef, frames: Sequence[Any], what: str, bad: An
                   f"{len(frames) - 1} (frame 0 is the header)")  # fmt: skip
     if ref.dtype not in DTYPES:
         raise bad(f"{what} have unknown dtype {ref.dtype!r}; expected one of {KNOWN_DTYPES}")
-    if any(d < 0 for d in ref.shape):
+    if ref.shape and min(ref.shape) < 0:
         raise bad(f"{what} have a negative dimension in shape {list(ref.shape)}")
     dtype, frame = DTYPES[ref.dtype], frames[ref.frame]
-    buffer = memoryview(getattr(frame, "buffer", frame))  # zmq.Frame or any buffer
     expected = math.prod(ref.shape) * dtype.itemsize
+    if expected == 0 and ref.offset >= 0:  # nothing to read (an empty field of a packed frame)
+        if ref.offset > memoryview(getattr(frame, "buffer", frame)).nbytes:
+            raise bad(f"{what} at offset {ref.offset} of frame {ref.frame} lie beyond its end")
+        return torch.empty(ref.shape, dtype=dtype)
+    buffer = memoryview(getattr(frame, "buffer", frame))  # zmq.Frame or any buffer
     if ref.offset >= 0:  # a part of a packed frame
         if not buffer.c_contiguous or ref.offset + expected > buffer.nbytes:
             raise bad(f"{what} at offset {ref.offset} of frame {ref.frame} need {expected} bytes "
