@@ -29,6 +29,7 @@ from tqstream.protocol.columns import (
     Column,
     field_error,
     frombuffer,
+    offsets_problem,
 )
 from tqstream.types import FieldSchema
 
@@ -237,16 +238,11 @@ def _given_column(name: str, col: Column) -> Column:
     if offsets is None:
         return Column(schema, values)
     offsets = offsets.detach().to("cpu").contiguous()
-    checked = offsets.numpy()  # numpy: a fraction of torch's per-call cost on small arrays
-    if (
-        checked.shape[0] == 0
-        or int(checked[0]) != 0
-        or int(checked[-1]) != values.shape[0]
-        or bool((checked[1:] < checked[:-1]).any())
-    ):
+    problem = offsets_problem(offsets.numpy(), values.shape[0])
+    if problem is not None:
         msg = (
             f"the column's offsets must start at 0, never decrease and end at the number of "
-            f"values ({values.shape[0]}); row i is values[offsets[i]:offsets[i + 1]]"
+            f"values ({values.shape[0]}): {problem}; row i is values[offsets[i]:offsets[i + 1]]"
         )
         raise field_error(SchemaError, name, msg)
     return Column(schema, values, offsets)

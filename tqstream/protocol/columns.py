@@ -41,6 +41,7 @@ __all__ = [
     "field_error",
     "frombuffer",
     "jagged",
+    "offsets_problem",
     "torch_dtype",
 ]
 
@@ -93,6 +94,21 @@ def torch_dtype(name: str) -> torch.dtype:
             dtype=name,
         )
     return DTYPES[name]
+
+
+def offsets_problem(offsets: Any, n_values: int) -> str | None:
+    """What is wrong with a ragged column's offsets (a 1-D int64 numpy array, which costs a fraction
+    of torch's per-call overhead on small arrays) for ``n_values`` values; None if nothing."""
+    if offsets.shape[0] == 0:
+        return "no offsets, expected at least 1 (rows + 1)"
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0:
+        return f"offsets must start at 0, got {first}"
+    if offsets.shape[0] > 2 and bool((offsets[1:] < offsets[:-1]).any()):
+        return "offsets must be nondecreasing"
+    if last != n_values:
+        return f"offsets end at {last} but the values have {n_values} rows"
+    return None
 
 
 def _offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:

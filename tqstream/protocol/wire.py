@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from tqstream.errors import MalformedMessageError
-from tqstream.protocol.columns import DTYPES, KNOWN_DTYPES, Column, dtype_name, frombuffer
+from tqstream.protocol.columns import (
+    DTYPES,
+    KNOWN_DTYPES,
+    Column,
+    dtype_name,
+    frombuffer,
+    offsets_problem,
+)
 from tqstream.protocol.messages import BufferRef, ColumnRef
 
 __all__ = ["column_from_wire", "column_to_wire", "columns_to_wire"]
@@ -132,14 +139,9 @@ def column_from_wire(ref: ColumnRef, frames: Sequence[Any], n_rows: int | None =
     if offsets.shape[0] < 1 or (n_rows is not None and offsets.shape[0] != n_rows + 1):
         expected = "at least 1" if n_rows is None else str(n_rows + 1)
         raise bad(f"has {offsets.shape[0]} offsets, expected {expected} (rows + 1)")
-    checked = offsets.numpy()  # numpy: a fraction of torch's per-call cost on small arrays
-    first, last = int(checked[0]), int(checked[-1])
-    if first != 0:
-        raise bad(f"offsets must start at 0, got {first}")
-    if checked.shape[0] > 2 and bool((checked[1:] < checked[:-1]).any()):
-        raise bad("offsets must be nondecreasing")
-    if last != values.shape[0]:
-        raise bad(f"offsets end at {last} but the values have {values.shape[0]} rows")
+    problem = offsets_problem(offsets.numpy(), values.shape[0])
+    if problem is not None:
+        raise bad(problem)
     return Column(schema, values, offsets)
 
 
