@@ -382,6 +382,11 @@ def test_non_tensor_values_inside_a_tensordict():
             "float32[4]",
         ),
         (
+            {"a": Column(FieldSchema("dense", "float32", ()), torch.tensor(1.0))},
+            BatchShapeError,
+            "field 'a': got a 0-dim tensor, but every field needs a leading batch dimension",
+        ),
+        (
             {"a": Column(FieldSchema("object", "str", ()), torch.zeros(0, dtype=torch.uint8),
                          torch.tensor([0]))},
             SchemaError,

@@ -227,12 +227,12 @@ def _given_column(name: str, col: Column) -> Column:
     if schema.kind == "object":
         msg = "object columns are built from their values; pass the list of values instead"
         raise field_error(SchemaError, name, msg)
+    if values.ndim == 0:
+        raise field_error(BatchShapeError, name, _NO_BATCH.format(what="a 0-dim tensor"))
     values = _cpu(name, values)
-    shape = tuple(values.shape[1:]) if values.ndim else None
+    shape = tuple(values.shape[1:])
     if schema.dtype != WIRE_NAMES[values.dtype] or schema.shape != shape:
-        got = "a 0-dim tensor"
-        if shape is not None:
-            got = FieldSchema(schema.kind, WIRE_NAMES[values.dtype], shape).describe()
+        got = FieldSchema(schema.kind, WIRE_NAMES[values.dtype], shape).describe()
         msg = f"the column's schema says {schema.describe()} but its values are {got}"
         raise field_error(SchemaError, name, msg)
     if offsets is None:

@@ -259,7 +259,7 @@ def _response_aligned(t: torch.Tensor, real: padding.Real) -> Column:
     bits (``rm_scores``, ``token_level_rewards``, ... as verl pads them), else each row whole (its
     ``R`` positions): re-padding with 0 gives it back either way, bit for bit."""
     values = padding.strip(t, real)
-    if padding.padding_holds(t, values, 0, bits=True):
+    if padding.padding_is_zero(t, values):
         return ragged_column(values, real.offsets)
     n, width = t.shape[:2]
     whole = torch.arange(0, (n + 1) * width, width, dtype=torch.int64)

@@ -25,14 +25,15 @@ from tqstream.errors import InvalidRequestError, SchemaError
 
 __all__ = [
     "Real",
+    "bits_of",
     "check_padding",
     "keeps",
     "mask_lengths",
-    "bits_of",
     "numpy_view",
     "offsets_of",
     "pad_rows",
     "padding_holds",
+    "padding_is_zero",
     "positions",
     "strip",
 ]
@@ -43,12 +44,11 @@ _AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def bits_of(dtype: torch.dtype) -> torch.dtype | None:
     """The integer dtype a ``dtype`` tensor is viewed as for numpy (None: numpy has it):
     ``bfloat16``, ``complex32`` and the 1-byte floats (float8) are the ones it lacks."""
-    lacks = dtype in (torch.bfloat16, torch.complex32)
-    return (
-        _AS_INT[dtype.itemsize]
-        if lacks or (dtype.is_floating_point and dtype.itemsize == 1)
-        else None
-    )
+    if dtype in (torch.bfloat16, torch.complex32) or (
+        dtype.is_floating_point and dtype.itemsize == 1
+    ):
+        return _AS_INT[dtype.itemsize]
+    return None
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -183,21 +183,21 @@ def check_padding(
     )
 
 
-def padding_holds(
-    t: torch.Tensor, stripped: torch.Tensor, pad: float, *, bits: bool = False
-) -> bool:
-    """Whether every position of ``t`` that :func:`strip` left out of ``stripped`` holds ``pad``:
-    the values other than ``pad`` in ``t`` are as many as in ``stripped``. ``bits`` (with ``pad``
-    0): all-zero bits, so a ``-0.0`` does not pass for 0."""
-    whole, kept = numpy_view(t), numpy_view(stripped)
-    value: object
-    if bits:
-        if pad != 0:
-            raise ValueError("padding_holds(bits=True) compares with 0")
-        whole, kept, value = _zero_bits(whole), _zero_bits(kept), 0
-    else:
-        value = _scalar(pad, t.dtype)
-    return bool(np.count_nonzero(whole != value) == np.count_nonzero(kept != value))
+def padding_holds(t: torch.Tensor, stripped: torch.Tensor, pad: float) -> bool:
+    """Whether every position of ``t`` that :func:`strip` left out of ``stripped`` holds ``pad``
+    (by value: ``-0.0`` passes for 0): the values other than ``pad`` in ``t`` are as many as in
+    ``stripped``."""
+    value = _scalar(pad, t.dtype)
+    return _as_many(numpy_view(t) != value, numpy_view(stripped) != value)
+
+
+def padding_is_zero(t: torch.Tensor, stripped: torch.Tensor) -> bool:
+    """:func:`padding_holds` with 0, bit for bit: a ``-0.0`` does not pass."""
+    return _as_many(_zero_bits(numpy_view(t)) != 0, _zero_bits(numpy_view(stripped)) != 0)
+
+
+def _as_many(whole: np.ndarray, kept: np.ndarray) -> bool:
+    return bool(np.count_nonzero(whole) == np.count_nonzero(kept))
 
 
 def _zero_bits(a: np.ndarray) -> np.ndarray:
