@@ -9,8 +9,10 @@ verl test files import it from here.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,7 @@ from tqstream.adapters.verl import (
     VerlExperience,
     dataproto_to_rows,
     rows_to_dataproto,
+    stored_fields,
 )
 
 _names = itertools.count()
@@ -252,19 +255,15 @@ def test_rows_are_unpadded_and_uid_is_the_group(client: tqstream.Client, partiti
     assert meta.groups == ["uid-0", "uid-0"]
     schemas = client.stats(partition).partitions[partition].schemas
     assert schemas["prompts"].kind == "ragged" and schemas["rollout_log_probs"].kind == "ragged"
-    # object values ride in the layout field; the key's own field is an empty marker
-    assert (schemas["uid"].kind, schemas["uid"].dtype, schemas["uid"].shape) == (
-        "dense",
-        "bool",
-        (0,),
-    )
+    # object values ride in the layout field: no field of their own
+    assert "uid" not in schemas
     assert (schemas[LAYOUT_FIELD].kind, schemas[LAYOUT_FIELD].dtype) == ("ragged", "uint8")
     assert not {"input_ids", "attention_mask", "position_ids"} & set(schemas)
 
 
 def test_a_read_naming_some_object_keys_gets_those(client: tqstream.Client, partition: str) -> None:
     """Object values travel together in the layout field, but the DataProto read back holds the
-    keys named, and a read naming a key waits for rows that have it."""
+    keys named, and a read naming a key the rows do not have waits for it as a field."""
     extra = {"uid": uids(2), "prompt": objects(["a", {"b": (1,)}]), "n": np.arange(2)}
     dp = make_dataproto([[5, 6], [7]], [[10], [11, 12]], non_tensor=extra)
     exp = VerlExperience(client, partition=partition, fields=["responses", "prompt", "n"])
@@ -274,8 +273,55 @@ def test_a_read_naming_some_object_keys_gets_those(client: tqstream.Client, part
     assert batch.data.non_tensor_batch["prompt"][1] == {"b": (1,)}
     batch.ack()
     waiting = VerlExperience(client, partition=partition, fields=["responses", "absent"])
+    started = time.monotonic()
     with pytest.raises(tqstream.RequestTimeoutError):
-        waiting.get_experience(2, current_version=0, task="other", timeout=0.2)
+        waiting.get_experience(2, current_version=0, task="other", timeout=0.5)
+    assert time.monotonic() - started < 3  # one timeout for the whole get, not one per read
+    # the rows were released in between: another task reads them
+    assert len(exp.get_experience(2, current_version=0, task="third", timeout=10)) == 2
+
+
+def test_stored_fields_names_the_written_fields_and_the_layout() -> None:
+    written = ["prompts", "responses", "rm_scores", LAYOUT_FIELD]
+    keys = ["responses", "uid", "rm_scores", "input_ids"]
+    assert stored_fields(keys, written) == ["prompts", "responses", "rm_scores", LAYOUT_FIELD]
+    assert stored_fields(["uid"], []) == [LAYOUT_FIELD]  # object values ride in the layout
+    assert stored_fields(["attention_mask"], []) == ["prompts", "responses", LAYOUT_FIELD]
+    # a tensor verl computes that was stored as it is (e.g. M-RoPE position ids) is a field
+    assert stored_fields(["position_ids"], ["position_ids"]) == ["position_ids", LAYOUT_FIELD]
+
+
+def test_rows_to_dataproto_keeps_the_object_keys_asked_for(
+    client: tqstream.Client, partition: str
+) -> None:
+    extra = {"uid": uids(2), "prompt": objects(["a", {"b": (1,)}]), "n": np.arange(2)}
+    dp = make_dataproto([[5, 6], [7]], [[10], [11, 12]], non_tensor=extra)
+    rows = dataproto_to_rows(dp)
+    client.put(rows.data, partition)
+    batch = client.get(partition, rows.fields, 2, "actor", timeout=10)
+    assert list(rows_to_dataproto(batch).non_tensor_batch) == ["uid", "prompt", "n"]
+    back = rows_to_dataproto(batch, keys=["responses", "prompt", "input_ids"])
+    assert list(back.non_tensor_batch) == ["prompt", "n"]  # n: a field read
+    with pytest.raises(tqstream.SchemaError, match="'nope'") as err:
+        rows_to_dataproto(batch, keys=["responses", "nope"])
+    assert err.value.details["keys"] == ["nope"]
+
+
+def test_a_key_written_after_the_put_is_waited_for(client: tqstream.Client, partition: str) -> None:
+    """A key the rows do not have yet is taken for an object value, found missing, and read
+    again as a field: the get returns once a later write adds it to the rows."""
+    dp = make_dataproto([[5, 6], [7]], [[10], [11, 12]], non_tensor={"uid": uids(2)})
+    exp = VerlExperience(client, partition=partition, fields=["responses", "uid", "ref"])
+    meta = exp.put_experience(dp, current_version=0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(exp.get_experience, 2, 0, timeout=30)
+        time.sleep(0.3)
+        assert not reading.done()
+        client.put_fields(meta, {"ref": torch.tensor([[1.0, 2.0], [3.0, 4.0]])})
+        batch = reading.result(timeout=30)
+    assert batch.data.batch["ref"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert list(batch.data.non_tensor_batch) == ["uid"]
+    batch.ack()
 
 
 def test_re_pads_to_the_requested_widths(client: tqstream.Client, partition: str) -> None:

@@ -1,9 +1,9 @@
 """tqstream for verl: ``DataProto`` ⇄ rows, the fully-async recipe's queue and slots, AsyncRL.
 
 - :func:`dataproto_to_rows` / :func:`rows_to_dataproto` — any ``DataProto`` as rows (a rollout
-  unpadded, ``uid`` as the group, ``non_tensor_batch`` as fields with object values exactly
-  encoded, ``meta_info`` kept) and back, a rollout re-padded to the trainer's widths; a put's rows
-  give back an equal ``DataProto``.
+  unpadded, ``uid`` as the group, numeric ``non_tensor_batch`` arrays as fields and object values
+  exactly encoded in the row's layout field, ``meta_info`` kept) and back, a rollout re-padded to
+  the trainer's widths; a put's rows give back an equal ``DataProto``.
 - :class:`VerlExperience` — ``put_experience(DataProto, v)`` / ``get_experience(n, v)`` through a
   staleness window measured from the dispatch version (verl v1, AsyncRL).
 - :class:`MessageQueue`, :class:`MessageQueueClient` — the fully-async recipe's queue and its

@@ -12,10 +12,10 @@ equality: values, dtypes, shapes, Python types):
   with the padding. ``attention_mask``, and ``input_ids`` / ``position_ids`` when they are what
   verl computes from it, are not stored but rebuilt;
 - every other batch tensor is a field as it is (dense, or ragged for a jagged nested tensor);
-- each ``non_tensor_batch`` array is a field: numeric arrays as dense tensors; everything else
-  (object, string, datetime arrays, of any number of dims) an empty ``bool [n, 0]`` marker field,
-  its values exactly encoded (:mod:`.objects`: msgpack with extension types, never pickle) in the
-  row's ``dataproto`` field, one map per row of all such values;
+- each numeric ``non_tensor_batch`` array is a dense field; every other one (object, string,
+  datetime arrays, of any number of dims) is no field of its own: its values are exactly encoded
+  (:mod:`.objects`: msgpack with extension types, never pickle) in the row's ``dataproto`` field,
+  one map per row of all such values, so reading that field brings them all;
 - ``uid`` is also the rows' group, and the per-row ``dataproto`` field holds the layout, on the
   first row ``meta_info``, and the object values (:mod:`.layout`).
 
@@ -85,15 +85,20 @@ def ragged_column(values: torch.Tensor, offsets: torch.Tensor) -> Column:
     return Column(schema, values.contiguous(), offsets)
 
 
-def stored_fields(keys: Iterable[str]) -> list[str]:
-    """The row fields to read for a ``DataProto`` with these keys (batch or non-tensor): a
-    rollout's rebuilt tensors come from ``prompts`` and ``responses``, which any of them (or of
-    those two) brings, and the layout is always read."""
-    keys = list(keys)
+def stored_fields(keys: Iterable[str], written: Iterable[str]) -> list[str]:
+    """The row fields to read for a ``DataProto`` with these keys (batch or non-tensor).
+
+    ``written``: the partition's fields (``client.stats(p).partitions[p].schemas``). A rollout's
+    rebuilt tensors come from ``prompts`` and ``responses``, which any of them (or of those two)
+    brings; object-valued ``non_tensor_batch`` keys ride in the layout field, which is always
+    read, so a key that is not one of ``written`` is not named (:func:`rows_to_dataproto` with
+    ``keys=`` says which keys the rows turned out not to have).
+    """
+    keys, written = list(keys), set(written)
     out: dict[str, None] = {}
-    if any(k in _ROLLOUT[:2] or k in DERIVED_FIELDS for k in keys):
+    if any(k in _ROLLOUT[:2] or (k in DERIVED_FIELDS and k not in written) for k in keys):
         out.update(dict.fromkeys(_ROLLOUT[:2]))
-    out.update(dict.fromkeys(k for k in keys if k not in DERIVED_FIELDS and k != LAYOUT_FIELD))
+    out.update(dict.fromkeys(k for k in keys if k in written and k != LAYOUT_FIELD))
     out[LAYOUT_FIELD] = None
     return list(out)
 
@@ -161,8 +166,7 @@ def dataproto_to_rows(
                 )
             if isinstance(field, torch.Tensor):
                 rows[key] = field
-            else:  # the values go in the layout field; the key's own field marks the rows
-                rows[key] = torch.empty((n, 0), dtype=torch.bool)
+            else:  # the values go in the layout field
                 objects[key] = field
     layout = Layout(dims, nested, layout_non_tensor, rollout)
     rows[LAYOUT_FIELD] = _layout_rows(layout, data.meta_info, n, objects)

@@ -12,15 +12,16 @@ padded ``input_ids`` / ``attention_mask`` / ``position_ids`` verl's workers expe
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from tqstream.adapters.verl.dataproto import RowBatch, dataproto_to_rows, stored_fields
-from tqstream.adapters.verl.layout import LAYOUT_FIELD
-from tqstream.adapters.verl.rebuild import rows_to_dataproto
+from tqstream.adapters.verl.layout import DERIVED_FIELDS, LAYOUT_FIELD
+from tqstream.adapters.verl.rebuild import Missing, convert
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
-from tqstream.errors import InvalidRequestError
+from tqstream.errors import InvalidRequestError, SchemaError
 from tqstream.experience import Experience, ExperienceBatch
 from tqstream.staleness import StalenessPolicy, check_version
 from tqstream.types import BatchMeta
@@ -65,16 +66,24 @@ class VerlBatch:
         return await self.client.async_release(self.meta)
 
 
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 class VerlExperience:
     """A partition of verl rollouts: ``put_experience(DataProto, v)`` / ``get_experience(n, v)``.
 
     ``fields``: the ``DataProto`` keys the trainer reads (batch and non-tensor; naming
     ``prompts``, ``responses`` or a rebuilt ``input_ids``/``attention_mask``/``position_ids``
     reads both and rebuilds those, see :func:`stored_fields`); None reads every field the
-    partition has when the get is made. ``staleness``: the read window (default: dispatch
-    measure, no bound). ``admission``: a handle whose slot ids ``put_experience(slots=)`` releases.
-    ``response_fields`` / ``pad_token_id``: see :func:`dataproto_to_rows`; ``prompt_length`` /
-    ``response_length``: the widths reads re-pad to (None: the widest put's).
+    partition has when the get is made, and every object-valued ``non_tensor_batch`` key. Which
+    keys are fields and which ride in the layout field (object values) is learnt from the
+    partition's stats and the rows read; a key taken for an object value that the rows turn out
+    not to have is a field not written yet: the rows are released and the get waits for it.
+    ``staleness``: the read window (default: dispatch measure, no bound). ``admission``: a handle
+    whose slot ids ``put_experience(slots=)`` releases. ``response_fields`` / ``pad_token_id``: see
+    :func:`dataproto_to_rows`; ``prompt_length`` / ``response_length``: the widths reads re-pad to
+    (None: the widest put's).
     """
 
     def __init__(
@@ -86,7 +95,14 @@ class VerlExperience:
         lease_timeout: float | None = None, ttl: float | None = None,
     ) -> None:  # fmt: skip
         self.client = client
-        self.fields = None if fields is None else stored_fields(fields)
+        self.keys = None if fields is None else list(fields)
+        # the partition's fields as last seen, and keys known to be object values
+        self._written: set[str] = set()
+        self._carried: set[str] = set()
+        # declared, so that a get can wait for any of them before it is written
+        self.fields = None
+        if fields is not None:
+            self.fields = stored_fields(fields, [k for k in fields if k not in DERIVED_FIELDS])
         self.response_fields = tuple(response_fields)
         self.pad_token_id, self.prompt_length, self.response_length = (
             pad_token_id, prompt_length, response_length)  # fmt: skip
@@ -144,12 +160,10 @@ class VerlExperience:
         )  # fmt: skip
 
     # --- trainer ---
-    def _fields_of(self, fields: Sequence[str] | None, part: Any) -> list[str]:
-        """The row fields to read: the call's, the constructor's, else the partition's."""
-        if fields is not None:
-            return stored_fields(fields)
-        if self.fields is not None:
-            return self.fields
+    def _read(self, keys: Sequence[str] | None, part: Any) -> list[str]:
+        """The row fields to read for ``keys`` (None: the partition's, from its stats ``part``)."""
+        if keys is not None:
+            return stored_fields(keys, self._written)
         if part is None or not part.schemas:
             raise InvalidRequestError(
                 f"partition {self.partition!r} has no fields yet to read; pass fields=[...] (the "
@@ -158,14 +172,29 @@ class VerlExperience:
             )
         return [*(k for k in part.schemas if k != LAYOUT_FIELD), LAYOUT_FIELD]
 
-    def _need_stats(self, fields: Sequence[str] | None) -> bool:
-        return fields is None and self.fields is None
+    def _unknown(self, keys: Sequence[str] | None) -> bool:
+        """Whether the partition's stats are needed to tell ``keys``' fields from object values."""
+        if keys is None:
+            return True
+        known = (self._written, self._carried, DERIVED_FIELDS, ("prompts", "responses"))
+        return any(all(k not in where for where in known) for k in keys)
 
-    def _convert(self, batch: ExperienceBatch) -> Any:
-        return rows_to_dataproto(
-            batch.data, prompt_length=self.prompt_length, response_length=self.response_length,
-            pad_token_id=self.pad_token_id,
-        )  # fmt: skip
+    def _learn(self, part: Any) -> None:
+        if part is not None:
+            self._written.update(part.schemas)
+
+    def _convert(self, batch: ExperienceBatch, keys: Sequence[str] | None) -> Any:
+        out = convert(batch.data, keys, self.prompt_length, self.response_length, self.pad_token_id)
+        if not isinstance(out, Missing) and keys is not None:
+            read = batch.data.keys()
+            self._carried.update(k for k in out.non_tensor_batch if k not in read)
+        return out
+
+    def _retry(self, out: Missing, before: list[str]) -> bool:
+        """After rows that lack ``out.keys``: whether reading again names more fields (keys
+        taken for object values are fields not written yet: the next get waits for them)."""
+        self._written.update(out.keys)
+        return set(out.keys) - set(before) != set()
 
     def get_experience(
         self, count: int, current_version: int, *, task: str = "actor",
@@ -175,35 +204,54 @@ class VerlExperience:
         """Lease the ``count`` oldest rows inside the window (whole ``uid`` groups by default) as
         one ``DataProto``; waits up to ``timeout`` seconds (None: forever). If the rows cannot be
         turned into a ``DataProto``, their lease is released and the error raised."""
-        part = None
-        if self._need_stats(fields):
-            part = self.client.stats(self.partition).partitions.get(self.partition)
-        batch = self.experience.get_experience(
-            count, current_version, task=task, fields=self._fields_of(fields, part),
-            whole_groups=whole_groups, timeout=timeout,
-        )  # fmt: skip
-        try:
-            data = self._convert(batch)
-        except BaseException:
+        keys = self.keys if fields is None else list(fields)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            part = None
+            if self._unknown(keys):
+                part = self.client.stats(self.partition).partitions.get(self.partition)
+                self._learn(part)
+            read = self._read(keys, part)
+            batch = self.experience.get_experience(
+                count, current_version, task=task, fields=read, whole_groups=whole_groups,
+                timeout=_left(deadline),
+            )  # fmt: skip
+            try:
+                data = self._convert(batch, keys)
+            except BaseException:
+                batch.release()
+                raise
+            if not isinstance(data, Missing):
+                return VerlBatch(batch.meta, data, self.client)
             batch.release()
-            raise
-        return VerlBatch(batch.meta, data, self.client)
+            if not self._retry(data, read):  # pragma: no cover - _retry always names more
+                raise SchemaError(f"the rows read have no {data.keys}", keys=data.keys)
 
     async def async_get_experience(
         self, count: int, current_version: int, *, task: str = "actor",
         fields: Sequence[str] | None = None, whole_groups: bool = True,
         timeout: float | None = None,
     ) -> VerlBatch:  # fmt: skip
-        part = None
-        if self._need_stats(fields):
-            part = (await self.client.async_stats(self.partition)).partitions.get(self.partition)
-        batch = await self.experience.async_get_experience(
-            count, current_version, task=task, fields=self._fields_of(fields, part),
-            whole_groups=whole_groups, timeout=timeout,
-        )  # fmt: skip
-        try:
-            data = self._convert(batch)
-        except BaseException:
+        keys = self.keys if fields is None else list(fields)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            part = None
+            if self._unknown(keys):
+                stats = await self.client.async_stats(self.partition)
+                part = stats.partitions.get(self.partition)
+                self._learn(part)
+            read = self._read(keys, part)
+            batch = await self.experience.async_get_experience(
+                count, current_version, task=task, fields=read, whole_groups=whole_groups,
+                timeout=_left(deadline),
+            )  # fmt: skip
+            try:
+                data = self._convert(batch, keys)
+            except BaseException:
+                await batch.async_release()
+                raise
+            if not isinstance(data, Missing):
+                return VerlBatch(batch.meta, data, self.client)
             await batch.async_release()
-            raise
-        return VerlBatch(batch.meta, data, self.client)
+            if not self._retry(data, read):  # pragma: no cover - _retry always names more
+                raise SchemaError(f"the rows read have no {data.keys}", keys=data.keys)

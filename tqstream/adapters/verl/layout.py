@@ -14,10 +14,9 @@ put carries it; a batch holding the first rows of several puts merges theirs as
 The field (ragged ``uint8``) holds two values per row: the layout's bytes as one bin (the *head*:
 the same bytes for every row of a put but the first, so a read decodes each distinct layout once)
 and a map of the row's object values, ``{non_tensor key: value}`` (nil when the ``DataProto`` has
-no object-valued ``non_tensor_batch`` array). Object values ride here, not in a field each, because
-every field costs a read and a write its per-column overhead whatever its size, and object values
-are small; each such key still has a field of its own, an empty ``bool [n, 0]`` marker, so that a
-read can name the key (and waits for rows that have it) like any other field.
+no object-valued ``non_tensor_batch`` array). Object values ride here, not in a field each,
+because every field costs a read and a write its per-column overhead whatever its size, and
+object values are small: reading this field (every read does) brings them all.
 
 A ``DataProto`` without rows is one row holding only this field, marked ``empty`` with the dtypes
 and shapes of its tensors: it brings its ``meta_info`` and no rows to the ``DataProto`` it is read

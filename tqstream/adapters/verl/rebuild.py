@@ -12,7 +12,8 @@ values decoded by :mod:`.objects`), and ``meta_info`` is the put's (or the puts'
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,12 +33,13 @@ from tqstream.client.client import Batch
 from tqstream.errors import InvalidRequestError, MalformedMessageError, SchemaError
 from tqstream.protocol.columns import jagged, torch_dtype
 
-__all__ = ["rows_to_dataproto"]
+__all__ = ["Missing", "convert", "rows_to_dataproto"]
 
 
 def rows_to_dataproto(
     batch: Batch | Any,
     *,
+    keys: Sequence[str] | None = None,
     prompt_length: int | None = None,
     response_length: int | None = None,
     pad_token_id: int | None = None,
@@ -45,11 +47,41 @@ def rows_to_dataproto(
     """A ``DataProto`` of read rows (a ``Batch`` or its TensorDict; ragged fields jagged, or padded
     with ``<field>_lengths``); a rollout is re-padded to ``prompt_length`` / ``response_length``.
 
-    Widths and pad id default to the widest put's and the put's own, which gives back an equal
-    ``DataProto`` for a put's rows. Rows without the ``dataproto`` layout field (put by other
-    producers) are converted as a rollout: ragged fields are response-aligned, object fields
-    become object arrays, and the widths are the longest row's.
+    ``keys``: the ``DataProto`` keys asked for (what :func:`stored_fields` read): of the
+    object-valued ``non_tensor_batch`` keys, which the layout field brings all of, only these are
+    kept, and one the rows do not have (not read, not rebuilt, no object value) raises
+    ``SchemaError``. None keeps every one. Widths and pad id default to the widest put's and the
+    put's own, which gives back an equal ``DataProto`` for a put's rows. Rows without the
+    ``dataproto`` layout field (put by other producers) are converted as a rollout: ragged fields
+    are response-aligned, object fields become object arrays, and the widths are the longest
+    row's.
     """
+    out = convert(batch, keys, prompt_length, response_length, pad_token_id)
+    if isinstance(out, Missing):
+        raise SchemaError(
+            f"the rows read have no {out.keys} (not a field read, not rebuilt, no object value in "
+            f"their layout): name them in stored_fields(keys, written) once they are written, or "
+            f"check the spelling",
+            keys=out.keys,
+        )
+    return out
+
+
+class Missing(NamedTuple):
+    """Keys asked for that the rows read do not have (:func:`convert`)."""
+
+    keys: list[str]
+
+
+def convert(
+    batch: Batch | Any,
+    asked: Sequence[str] | None,
+    prompt_length: int | None,
+    response_length: int | None,
+    pad_token_id: int | None,
+) -> Any:
+    """:func:`rows_to_dataproto`, or :class:`Missing` for keys asked for that the rows do not
+    have (a reader that took an unwritten field for an object-valued key reads again)."""
     td = batch.data if isinstance(batch, Batch) else batch
     keys = list(td.keys())
     if LAYOUT_FIELD not in keys:
@@ -64,6 +96,18 @@ def rows_to_dataproto(
     if not n:
         return _no_rows(merged)
     ro = merged.rollout
+    # object-valued non_tensor_batch keys: their values came with the layout
+    carried = [
+        k for k, (dtype, _) in (merged.non_tensor or {}).items()
+        if not stored_dense(dtype) and (asked is None or k in asked)
+    ]  # fmt: skip
+    if asked is not None:
+        have = {*keys, *carried}
+        if ro is not None and "prompts" in keys and "responses" in keys:
+            have.update(ro.derived)
+        missing = [k for k in dict.fromkeys(asked) if k not in have]
+        if missing:
+            return Missing(missing)
     tensors: dict[str, Any] = {}
     ragged = {LAYOUT_FIELD, *merged.nested}
     widths: tuple[int, int | None] = (0, None)
@@ -73,7 +117,7 @@ def rows_to_dataproto(
         widths, r_rows = _rollout(
             td, keys, ro, tensors, prompt_length, response_length, pad_token_id
         )
-    non_tensor: dict[str, np.ndarray] | None = None if merged.non_tensor is None else {}
+    dense: dict[str, np.ndarray] = {}
     for key in keys:
         if (
             key in tensors
@@ -82,13 +126,9 @@ def rows_to_dataproto(
         ):
             continue
         if merged.non_tensor is not None and key in merged.non_tensor:
-            assert non_tensor is not None
-            dtype, trailing = merged.non_tensor[key]
-            if stored_dense(dtype):
-                non_tensor[key] = td.get(key).numpy().astype(dtype, copy=True)
-            else:  # the key's field is a marker; its values came with the layout
-                non_tensor[key] = _array(key, _object_values(key, objects, merged.rows), dtype,
-                                         trailing)  # fmt: skip
+            dtype, _ = merged.non_tensor[key]
+            if stored_dense(dtype):  # else the empty marker field earlier versions wrote
+                dense[key] = td.get(key).numpy().astype(dtype, copy=True)
         elif ro is not None and key in ro.response:
             values, offsets = _ragged(td, keys, key)
             width = widths[1]
@@ -105,6 +145,15 @@ def rows_to_dataproto(
             tensors[key] = value if value.is_nested else jagged(*_ragged(td, keys, key))
         else:
             tensors[key] = td.get(key)
+    non_tensor: dict[str, np.ndarray] | None = None
+    if merged.non_tensor is not None:  # in the put's order
+        non_tensor = {}
+        for key, (dtype, trailing) in merged.non_tensor.items():
+            if key in dense:
+                non_tensor[key] = dense[key]
+            elif key in carried:
+                found = _object_values(key, objects, merged.rows)
+                non_tensor[key] = _array(key, found, dtype, trailing)
     return _dataproto(merged, n, tensors, non_tensor, merge_meta_info(merged.meta_infos))
 
 
