@@ -15,7 +15,6 @@ docs/staleness.md explains the version model, the window and flow control.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,7 +35,6 @@ NO_WINDOW = StalenessPolicy()
 """The default window: none, every row is inside."""
 
 
-@dataclasses.dataclass
 class ExperienceBatch(Batch):
     """A :class:`~tqstream.client.client.Batch` (``meta``, ``data``, ``ack``, ``release``) read
     through a staleness window. ``ack`` frees rows that every registered task has acked."""
@@ -204,7 +202,7 @@ class Experience:
         args = self._get_args(count, current_version, task, fields, whole_groups=whole_groups,
                               timeout=timeout, padded=padded, pad_values=pad_values)  # fmt: skip
         batch = self.client.get(**args)
-        return ExperienceBatch(batch.meta, batch.data, self.client)
+        return ExperienceBatch.of(batch)
 
     async def async_get_experience(
         self, count: int, current_version: int, *, task: str, fields: Sequence[str] | None = None,
@@ -214,4 +212,4 @@ class Experience:
         args = self._get_args(count, current_version, task, fields, whole_groups=whole_groups,
                               timeout=timeout, padded=padded, pad_values=pad_values)  # fmt: skip
         batch = await self.client.async_get(**args)
-        return ExperienceBatch(batch.meta, batch.data, self.client)
+        return ExperienceBatch.of(batch)

@@ -45,6 +45,32 @@ def test_put_get_roundtrip_all_kinds(client: Client, partition: str) -> None:
     assert got.ack() == 6
 
 
+def test_batch_columns_are_the_packed_rows_data_is_built_from(
+    client: Client, partition: str
+) -> None:
+    client.put({"input_ids": ragged(5), "rewards": torch.arange(5.0)}, partition)
+    got = client.get(partition, ["input_ids", "rewards"], 5, "actor")
+    assert got.columns is not None and got._data is None  # nothing built yet
+    ids = got.columns["input_ids"]
+    assert isinstance(ids, tqstream.Column) and ids.schema.kind == "ragged"
+    assert ids.offsets is not None
+    assert ids.offsets.tolist() == [0, *torch.tensor([len(r) for r in ragged(5)]).cumsum(0)]
+    assert torch.equal(ids.values, torch.cat(ragged(5)))
+    assert torch.equal(got.columns["rewards"].values, torch.arange(5.0))
+    td = got.data  # built on first use, from the same memory
+    assert td is got.data
+    assert td["input_ids"].values().data_ptr() == ids.values.data_ptr()
+    for i, row in enumerate(ragged(5)):
+        assert torch.equal(td["input_ids"][i], row)
+    # an ExperienceBatch of the read does not build it either
+    exp = tqstream.Experience(client, partition=partition, fields=["rewards"])
+    client.put({"rewards": torch.arange(3.0)}, partition)
+    read = exp.get_experience(3, 0, task="other")
+    assert read._data is None and torch.equal(read.data["rewards"], torch.arange(3.0))
+    got.ack()
+    read.ack()
+
+
 def test_padded_ragged_with_lengths(client: Client, partition: str) -> None:
     client.put({"tokens": ragged(4)}, partition)
     td = client.get(partition, "tokens", 4, "t", padded=True, pad_values={"tokens": -1}).data

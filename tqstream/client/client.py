@@ -41,7 +41,9 @@ from tqstream.client.requests import (
     with_fresh_mask,
 )
 from tqstream.config import ClientConfig, from_env
+from tqstream.convert.tensordict import to_tensordict
 from tqstream.errors import ClosedError
+from tqstream.protocol.columns import Column
 from tqstream.protocol.messages import (
     CheckpointReply,
     ClosePartition,
@@ -455,7 +457,7 @@ class Client:
             names.append(versions_field)
         columns = self._sync(ClientCore.fetch, meta, names)
         _, columns = with_fresh_mask(meta, columns, versions_field)
-        return decode(len(meta), columns, padded, pad_values, copy)
+        return _built(len(meta), *decode(len(meta), columns, padded, pad_values, copy))
 
     async def async_get_data(
         self,
@@ -472,7 +474,7 @@ class Client:
             names.append(versions_field)
         columns = await self._async(ClientCore.fetch, meta, names)
         _, columns = with_fresh_mask(meta, columns, versions_field)
-        return decode(len(meta), columns, padded, pad_values, copy)
+        return _built(len(meta), *decode(len(meta), columns, padded, pad_values, copy))
 
     def get(
         self,
@@ -514,10 +516,10 @@ class Client:
         )  # fmt: skip
         meta, columns = self._sync(ClientCore.get, req)  # one call: get_meta + fetch
         meta, columns = self._masked_or_release(meta, columns, versions_field)
-        data = self._decode_or_release(meta, columns, padded, pad_values, copy)
+        data, columns = self._decode_or_release(meta, columns, padded, pad_values, copy)
         if auto_ack:
             self.ack(meta)
-        return Batch(meta, data, self)
+        return Batch(meta, data, self, columns)
 
     async def async_get(
         self,
@@ -547,10 +549,10 @@ class Client:
         )  # fmt: skip
         meta, columns = await self._async(ClientCore.get, req)
         meta, columns = self._masked_or_release(meta, columns, versions_field)
-        data = self._decode_or_release(meta, columns, padded, pad_values, copy)
+        data, columns = self._decode_or_release(meta, columns, padded, pad_values, copy)
         if auto_ack:
             await self.async_ack(meta)
-        return Batch(meta, data, self)
+        return Batch(meta, data, self, columns)
 
     def _masked_or_release(
         self, meta: BatchMeta, columns: dict[str, Any], versions_field: str
@@ -570,8 +572,9 @@ class Client:
         padded: bool,
         pad_values: PadValues,
         copy: bool,
-    ) -> TensorDict:
-        """The batch's TensorDict; if building it fails, the lease is released."""
+    ) -> tuple[TensorDict | None, dict[str, Column]]:
+        """The batch's TensorDict (None: built on first use) and columns; if building it fails,
+        the lease is released."""
         try:
             return decode(len(meta), columns, padded, pad_values, copy)
         except BaseException:
@@ -597,8 +600,9 @@ class Client:
         meta = self._sync(
             ClientCore.get_by_keys, partition, list(keys), None if fields is None else list(fields)
         )
-        data = self.get_data(meta, padded=padded, pad_values=pad_values, copy=copy)
-        return Batch(meta, data, self)
+        columns = self._sync(ClientCore.fetch, meta, list(meta.fields))
+        data, columns = decode(len(meta), columns, padded, pad_values, copy)
+        return Batch(meta, data, self, columns)
 
     async def async_get_by_keys(
         self,
@@ -613,8 +617,9 @@ class Client:
         meta = await self._async(
             ClientCore.get_by_keys, partition, list(keys), None if fields is None else list(fields)
         )
-        data = await self.async_get_data(meta, padded=padded, pad_values=pad_values, copy=copy)
-        return Batch(meta, data, self)
+        columns = await self._async(ClientCore.fetch, meta, list(meta.fields))
+        data, columns = decode(len(meta), columns, padded, pad_values, copy)
+        return Batch(meta, data, self, columns)
 
     def set_tags(self, meta: BatchMeta, tags: Sequence[Mapping[str, Any] | None]) -> None:
         """Merge ``tags`` (one mapping or None per row of ``meta``, in its order) into the rows'
@@ -799,6 +804,10 @@ class Client:
         msg = checkpoint_message(LoadCheckpoint, path, timeout)
         reply = await self._async(ClientCore.call, msg, CheckpointReply, reply_wait(timeout))
         return reply.summary
+
+
+def _built(n: int, data: TensorDict | None, columns: dict[str, Column]) -> TensorDict:
+    return data if data is not None else to_tensordict(n, columns)
 
 
 def _release_on(io: LoopThread, core: ClientCore, meta: BatchMeta) -> None:

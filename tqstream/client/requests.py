@@ -18,7 +18,7 @@ from tqstream.client.versions import FRESH_MASK, fresh_mask, row_versions
 from tqstream.convert.inputs import columns_from_data
 from tqstream.convert.tensordict import to_tensordict
 from tqstream.errors import BatchShapeError, InvalidRequestError, TagError
-from tqstream.protocol.columns import Column
+from tqstream.protocol.columns import Column, field_error
 from tqstream.protocol.messages import (
     MAX_TAG_LIST,
     MAX_TAGS,
@@ -406,9 +406,16 @@ def with_fresh_mask(
 
 def decode(
     n: int, columns: dict[str, Column], padded: bool, pad_values: PadValues, copy: bool
-) -> TensorDict:
-    """The TensorDict of fetched columns; ``copy``: private tensors instead of views of the
-    received message or of the storage unit's shared memory (which they then stop pinning)."""
+) -> tuple[TensorDict | None, dict[str, Column]]:
+    """The TensorDict of fetched columns, and the columns; ``copy``: private tensors instead of
+    views of the received message or of the storage unit's shared memory (which they then stop
+    pinning). The TensorDict is None when nothing in building it can fail (dense and jagged
+    fields): ``Batch.data`` builds it on first use."""
     if copy:
         columns = {name: col.clone() for name, col in columns.items()}
-    return to_tensordict(n, columns, padded=padded, pad_values=pad_values)
+    if padded or any(col.schema.kind == "object" for col in columns.values()):
+        return to_tensordict(n, columns, padded=padded, pad_values=pad_values), columns
+    for name, col in columns.items():
+        if col.n_rows != n:
+            raise field_error(BatchShapeError, name, f"has {col.n_rows} rows, expected {n}")
+    return None, columns

@@ -30,6 +30,7 @@ from tqstream.adapters.verl.layout import (
 )
 from tqstream.adapters.verl.objects import decode_rows
 from tqstream.client.client import Batch
+from tqstream.convert.tensordict import decode_objects
 from tqstream.errors import InvalidRequestError, MalformedMessageError, SchemaError
 from tqstream.protocol.columns import jagged, torch_dtype
 
@@ -82,7 +83,9 @@ def convert(
 ) -> Any:
     """:func:`rows_to_dataproto`, or :class:`Missing` for keys asked for that the rows do not
     have (a reader that took an unwritten field for an object-valued key reads again)."""
-    td = batch.data if isinstance(batch, Batch) else batch
+    td: Any = batch
+    if isinstance(batch, Batch):
+        td = batch.data if batch.columns is None else _Columns(batch)
     keys = list(td.keys())
     if LAYOUT_FIELD not in keys:
         return _foreign(td, keys, prompt_length, response_length, pad_token_id)
@@ -246,8 +249,34 @@ def _array(
         ) from exc
 
 
+class _Columns:
+    """A ``Batch``'s columns, read as its TensorDict would be (``keys``, ``get``,
+    ``batch_size``), but a ragged field's packed values and offsets taken as they are
+    (:func:`_ragged`), without making the jagged nested tensor."""
+
+    def __init__(self, batch: Batch) -> None:
+        assert batch.columns is not None
+        self.columns = batch.columns
+        self.batch_size = (len(batch.meta),)
+
+    def keys(self) -> list[str]:
+        return list(self.columns)
+
+    def get(self, name: str) -> Any:
+        col = self.columns[name]
+        if col.offsets is None:
+            return col.values
+        if col.schema.kind == "object":
+            return decode_objects(name, col)
+        return jagged(col.values, col.offsets)
+
+
 def _ragged(td: Any, keys: list[str], name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, offsets)`` of a ragged field read jagged, or padded with its lengths."""
+    if isinstance(td, _Columns):
+        col = td.columns[name]
+        if col.offsets is not None and col.schema.kind == "ragged":
+            return col.values, col.offsets
     t = td.get(name)
     if t.is_nested:
         if getattr(t, "_lengths", 0) is None and getattr(t, "_ragged_idx", 0) == 1:
