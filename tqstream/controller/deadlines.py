@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.partition import Partition
@@ -19,7 +18,7 @@ from tqstream.controller.records import (
     COMPACT_MIN,
     DeadlineKind,
     Effects,
-    Ended,
+    Finished,
     Lease,
     LeaseEnd,
     Parked,
@@ -36,7 +35,7 @@ class Deadlines:
     parked: dict[str, dict[Any, Parked]]
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
-    finished_puts: OrderedDict[int, PutEnd]
+    finished_puts: Finished[PutEnd]
     now: float
     _deadlines: list[tuple[float, int, DeadlineKind, Any]]
     _compact_at: int
@@ -48,7 +47,6 @@ class Deadlines:
         def _evict(
             self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
         ) -> list[Any]: ...
-        def _finish(self, record: OrderedDict[int, Ended], key: int, status: Ended) -> None: ...
         def _end_lease(self, lease: Lease, status: LeaseEnd) -> None: ...
         def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
         def _timeout_error(self, p: Partition, req: Any) -> Any: ...
@@ -114,7 +112,7 @@ class Deadlines:
             elif kind == "put":
                 put = self.pending.pop(ref, None)
                 if put is not None:
-                    self._finish(self.finished_puts, ref, "cleared" if put.cancelled else "expired")
+                    self.finished_puts.end(ref, "cleared" if put.cancelled else "expired")
                     self._rollback(put, effects)
             else:
                 parked: Parked = ref

@@ -18,7 +18,6 @@ unit are rolled back and their producers get ``UnitLostError``.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.admission import Admission
@@ -27,7 +26,7 @@ from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import (
     Effects,
-    Ended,
+    Finished,
     Lease,
     LeaseEnd,
     Parked,
@@ -49,7 +48,7 @@ class Faults:
     admissions: dict[str, tuple[Admission, str, dict[str, int]]]
     budgets: Budgets
     slot_owners: dict[str, dict[int, Any]]
-    finished_puts: OrderedDict[int, PutEnd]
+    finished_puts: Finished[PutEnd]
     outbox: Effects
     _ids: itertools.count[int]
 
@@ -59,7 +58,6 @@ class Faults:
         def _evict(
             self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
         ) -> list[Row]: ...
-        def _finish(self, record: OrderedDict[int, Ended], key: int, status: Ended) -> None: ...
         def _end_lease(self, lease: Lease, status: LeaseEnd) -> None: ...
         def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
         def _serve_parked_puts(self) -> None: ...
@@ -73,7 +71,7 @@ class Faults:
             return effects
         for put in [q for q in self.pending.values() if any(c[0] == u for c in q.chunks)]:
             del self.pending[put.put_id]
-            self._finish(self.finished_puts, put.put_id, "unit-lost")
+            self.finished_puts.end(put.put_id, "unit-lost")
             self._rollback(put, effects)
         for p in list(self.partitions.values()):
             gone = []
@@ -126,7 +124,7 @@ class Faults:
                 del table[handle]  # type: ignore[attr-defined]
         for put in [q for q in self.pending.values() if q.owner == peer]:
             del self.pending[put.put_id]
-            self._finish(self.finished_puts, put.put_id, "aborted")
+            self.finished_puts.end(put.put_id, "aborted")
             self._rollback(put, effects)
         touched = set()
         for lease in [x for x in self.leases.values() if x.owner == peer]:

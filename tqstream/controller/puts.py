@@ -12,13 +12,12 @@ leaves neither rows nor bytes.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import DeadlineKind, Effects, Ended, PendingPut, PutEnd
+from tqstream.controller.records import DeadlineKind, Effects, Finished, PendingPut, PutEnd
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     CapacityError,
@@ -48,7 +47,7 @@ class Puts:
     units: UnitTable
     pending: dict[int, PendingPut]
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
-    finished_puts: OrderedDict[int, PutEnd]
+    finished_puts: Finished[PutEnd]
     put_timeout: float
     max_rows: int
     now: float
@@ -62,7 +61,6 @@ class Puts:
         def partition(self, name: str) -> Partition: ...
         def _serve_parked_puts(self) -> None: ...
         def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
-        def _finish(self, record: OrderedDict[int, Ended], key: int, status: Ended) -> None: ...
         def _rows(self, p: Partition, row_ids: list[int]) -> list[Row]: ...
         def _meta(self, p: Partition, rows: list[Row], fields: list[str]) -> BatchMeta: ...
         def create_partition(self, name: str, fields: list[str]) -> None: ...
@@ -389,10 +387,10 @@ class Puts:
             raise self.put_error(put_id)
         effects = Effects()
         if put.cancelled:
-            self._finish(self.finished_puts, put_id, "cleared")
+            self.finished_puts.end(put_id, "cleared")
             self._rollback(put, effects)
             return None, effects  # the service sends the drops, then raises the error
-        self._finish(self.finished_puts, put_id, "committed")
+        self.finished_puts.end(put_id, "committed")
         p = self.partitions[put.partition]
         if put.new_rows:
             p.commit_rows(put.rows, put.mask)
@@ -482,7 +480,7 @@ class Puts:
         effects = Effects()
         put = self.pending.pop(put_id, None)
         if put is not None:
-            self._finish(self.finished_puts, put_id, "aborted")
+            self.finished_puts.end(put_id, "aborted")
             self._rollback(put, effects)
         return effects
 

@@ -4,9 +4,11 @@ leases, parked requests, and the version arithmetic of staleness windows. Pure d
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, TypeVar
+from collections.abc import Sequence
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
+import numpy as np
 
 from tqstream.controller.partition import Row
 from tqstream.errors import InvalidRequestError, TQStreamError
@@ -50,9 +52,67 @@ PutEnd = Literal["committed", "aborted", "expired", "cleared", "unit-lost"]
 Ended = TypeVar("Ended", LeaseEnd, PutEnd)
 
 FINISHED_LIMIT = 100_000
+"""Ended puts (and leases) remembered, the newest ones."""
 COMPACT_MIN = 1024
 """The deadline heap is swept of ended entries once it holds this many, then at twice its live
 size after each sweep."""
+
+
+class Finished(Generic[Ended]):
+    """How the newest ``limit`` puts (or leases) ended, by id: what answers a commit, an abort or
+    an ack that comes after its put or lease ended.
+
+    Ids and status codes sit in two numpy arrays used as a ring (9 bytes an id, where a dict of
+    ints to strings took ~200), grown by doubling up to ``limit``; once full, each new id
+    replaces the oldest. The newest id is found at once (a commit asks right after ending its
+    put); any other by one vectorised scan, which only late or repeated calls make.
+    """
+
+    def __init__(self, statuses: Sequence[Ended], limit: int = FINISHED_LIMIT) -> None:
+        if not 0 < len(statuses) <= 256 or limit < 1:
+            raise ValueError("Finished needs 1 to 256 statuses and a limit of at least 1")
+        self._names: tuple[Ended, ...] = tuple(statuses)
+        self._codes: dict[str, int] = {s: code for code, s in enumerate(self._names)}
+        self._limit = limit
+        self._ids = np.zeros(min(limit, 1024), dtype=np.int64)
+        self._status = np.zeros(len(self._ids), dtype=np.uint8)
+        self._count = 0  # ids held (at most limit)
+        self._next = 0  # where the next id goes
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the records take (their arrays, grown ahead of use)."""
+        return int(self._ids.nbytes + self._status.nbytes)
+
+    def end(self, key: int, status: Ended) -> None:
+        """Record that ``key`` ended with ``status``; the oldest record goes once ``limit`` are
+        held."""
+        code = self._codes[status]
+        if self._next == len(self._ids) and len(self._ids) < self._limit:
+            size = min(2 * len(self._ids), self._limit)
+            self._ids = np.resize(self._ids, size)
+            self._status = np.resize(self._status, size)
+        self._ids[self._next] = key
+        self._status[self._next] = code
+        self._next = (self._next + 1) % self._limit
+        self._count = min(self._count + 1, self._limit)
+
+    def get(self, key: int) -> Ended | None:
+        """How ``key`` ended, None when it is not (or no longer) recorded."""
+        if not self._count:
+            return None
+        newest = (self._next - 1) % self._limit
+        if self._ids[newest] == key:
+            return self._names[self._status[newest]]
+        found = np.flatnonzero(self._ids[: self._count] == key)
+        if not len(found):
+            return None
+        # a repeated id answers with its newest end: the one written last, in ring order
+        newest = found[np.argmax((found - self._next) % self._limit)]
+        return self._names[self._status[newest]]
 
 
 @dataclasses.dataclass

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections import OrderedDict
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -33,10 +32,9 @@ from tqstream.controller.peers import peer_of
 from tqstream.controller.puts import Puts
 from tqstream.controller.records import (
     COMPACT_MIN,
-    FINISHED_LIMIT,
     DeadlineKind,
     Effects,
-    Ended,
+    Finished,
     Lease,
     LeaseEnd,
     Parked,
@@ -91,8 +89,8 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.budgets = Budgets()  # StalenessManagers' pooled budgets
         self.pending: dict[int, PendingPut] = {}
         self.leases: dict[int, Lease] = {}
-        self.finished_leases: OrderedDict[int, LeaseEnd] = OrderedDict()
-        self.finished_puts: OrderedDict[int, PutEnd] = OrderedDict()
+        self.finished_leases: Finished[LeaseEnd] = Finished(get_args(LeaseEnd))
+        self.finished_puts: Finished[PutEnd] = Finished(get_args(PutEnd))
         self.parked: dict[str, dict[Any, Parked]] = {}
         self._deadlines: list[tuple[float, int, DeadlineKind, Any]] = []
         self._compact_at = COMPACT_MIN  # heap size at which ended entries are swept out
@@ -561,7 +559,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
 
     def _end_lease(self, lease: Lease, status: LeaseEnd) -> None:
         self.leases.pop(lease.lease_id, None)
-        self._finish(self.finished_leases, lease.lease_id, status)
+        self.finished_leases.end(lease.lease_id, status)
 
     # --- clearing ---
     def clear_samples(self, partition: str, row_ids: list[int]) -> Effects:
@@ -628,12 +626,6 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         del self.partitions[partition]
         self._serve_parked_puts()
         return effects
-
-    @staticmethod
-    def _finish(record: OrderedDict[int, Ended], key: int, status: Ended) -> None:
-        record[key] = status
-        if len(record) > FINISHED_LIMIT:
-            record.popitem(last=False)
 
     # --- helpers ---
     @staticmethod
