@@ -1018,7 +1018,7 @@ def test_a_stored_put_lands_on_its_unit_committed_and_leaves_no_deadline() -> No
     assert reply is not None and reply.meta.units == [2, 2] and reply.meta.row_ids == [0, 1]
     assert s.units.bytes == [0, 0, 16] and not s.pending
     # no put_timeout to watch for a put committed in the same step (only the lease just given)
-    assert [kind for _, _, kind, _ in s._deadlines] == ["lease"]
+    assert [kind for _, kind, _ in s.deadlines.entries()] == ["lease"]
     ((handle, meta),) = s.take_effects().served  # the parked reader got the rows at once
     assert handle == "reader" and meta.row_ids == [0, 1]
 
@@ -1077,8 +1077,8 @@ def test_ended_leases_and_puts_leave_the_deadline_heap() -> None:
         got = s.get_meta(req, next(_handles), now)
         assert got is not None and got.lease_id is not None
         assert s.ack("p", "t", got.lease_id, got.row_ids) == 1
-    assert sum(1 for e in s._deadlines if s._live(e)) == 0
-    assert len(s._deadlines) < 2 * COMPACT_MIN  # not 8 * COMPACT_MIN: ended entries were swept
+    assert sum(1 for e in s.deadlines.entries() if s._live(*e)) == 0
+    assert len(s.deadlines) < 2 * COMPACT_MIN  # not 8 * COMPACT_MIN: ended entries were swept
 
 
 # --- writes by key, tags, consumption resets ---

@@ -1,5 +1,6 @@
-"""Deadlines inside the controller state — a mixin of
-:class:`~tqstream.controller.state.ControllerState`, split out to keep each file one concept.
+"""Deadlines inside the controller state: the :class:`DeadlineHeap` (owned: the heap, its
+sweeping, its order) and the mixin of :class:`~tqstream.controller.state.ControllerState` that
+says what each kind of deadline ends.
 
 Every deadline (lease expiry, uncommitted put, parked get, acquire or put waiting for room, a
 partition's ttl) sits in one heap; the service keeps a single timer at :meth:`next_deadline` and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.partition import Partition
@@ -27,6 +29,47 @@ from tqstream.controller.records import (
 )
 from tqstream.protocol.messages import Acquire, PreparePut
 
+Entry = tuple[float, "DeadlineKind", Any]
+"""A deadline, what it ends, and the id or record of the thing."""
+
+
+class DeadlineHeap:
+    """The controller's deadlines in one heap, earliest first (ties in the order added).
+
+    ``live`` says whether an entry's thing is still there: entries of things that ended early
+    stay until they come due or a sweep drops them, which happens whenever the heap reaches twice
+    the live entries it had after the last sweep (amortised O(1) an entry)."""
+
+    def __init__(self, live: Callable[[float, DeadlineKind, Any], bool]) -> None:
+        self._heap: list[tuple[float, int, DeadlineKind, Any]] = []
+        self._order = itertools.count()
+        self._live = live
+        self._sweep_at = COMPACT_MIN
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, deadline: float, kind: DeadlineKind, ref: Any) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._order), kind, ref))
+        if len(self._heap) >= self._sweep_at:
+            self._heap = [e for e in self._heap if self._live(e[0], e[2], e[3])]
+            heapq.heapify(self._heap)
+            self._sweep_at = max(COMPACT_MIN, 2 * len(self._heap))
+
+    def next(self) -> float | None:
+        """The earliest deadline (of a live thing or not), None when there is none."""
+        return self._heap[0][0] if self._heap else None
+
+    def due(self, now: float) -> Iterator[Entry]:
+        """Take out, earliest first, the entries due at ``now`` (live or not: the caller looks)."""
+        while self._heap and self._heap[0][0] <= now:
+            deadline, _, kind, ref = heapq.heappop(self._heap)
+            yield deadline, kind, ref
+
+    def entries(self) -> Iterator[Entry]:
+        """Every entry, in no particular order (live or not)."""
+        return ((deadline, kind, ref) for deadline, _, kind, ref in self._heap)
+
 
 class Deadlines:
     partitions: dict[str, Partition]
@@ -37,9 +80,7 @@ class Deadlines:
     waiting_acquires: dict[Any, tuple[Acquire, float]]
     finished_puts: Finished[PutEnd]
     now: float
-    _deadlines: list[tuple[float, int, DeadlineKind, Any]]
-    _compact_at: int
-    _ids: itertools.count[int]
+    deadlines: DeadlineHeap
 
     if TYPE_CHECKING:
 
@@ -54,19 +95,10 @@ class Deadlines:
         def _capacity_error(self, req: PreparePut, waited: float) -> Any: ...
 
     def _at(self, deadline: float, kind: DeadlineKind, ref: Any) -> None:
-        heapq.heappush(self._deadlines, (deadline, next(self._ids), kind, ref))
-        if len(self._deadlines) >= self._compact_at:
-            self._compact()
+        self.deadlines.add(deadline, kind, ref)
 
-    def _compact(self) -> None:
-        """Drop the entries of leases, puts and waits that ended before their deadline (the heap
-        deletes lazily): the heap stays within twice its live entries, at amortised O(1) a push."""
-        self._deadlines = [e for e in self._deadlines if self._live(e)]
-        heapq.heapify(self._deadlines)
-        self._compact_at = max(COMPACT_MIN, 2 * len(self._deadlines))
-
-    def _live(self, entry: tuple[float, int, DeadlineKind, Any]) -> bool:
-        deadline, _, kind, ref = entry
+    def _live(self, deadline: float, kind: DeadlineKind, ref: Any) -> bool:
+        """Whether the thing a deadline ends is still there (its entry is not stale)."""
         if kind == "lease":
             lease = self.leases.get(ref)
             return lease is not None and lease.deadline == deadline
@@ -81,14 +113,13 @@ class Deadlines:
         return self.parked.get(ref.req.partition, {}).get(ref.handle) is ref
 
     def next_deadline(self) -> float | None:
-        return self._deadlines[0][0] if self._deadlines else None
+        return self.deadlines.next()
 
     def expire(self, now: float) -> Effects:
         self.now = max(self.now, now)
         effects = Effects()
         touched: set[str] = set()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, _, kind, ref = heapq.heappop(self._deadlines)
+        for deadline, kind, ref in self.deadlines.due(now):
             if kind == "lease":
                 lease = self.leases.get(ref)
                 if lease is not None and lease.deadline == deadline:

@@ -177,7 +177,7 @@ def take(state: ControllerState, now: float) -> Taken:
             for r in put.rows:
                 extra[put.partition, r.id] = extra.get((put.partition, r.id), 0) + put.per_row
     ttls: dict[str, list[TtlEntry]] = {}
-    for deadline, _, kind, ref in state._deadlines:
+    for deadline, kind, ref in state.deadlines.entries():
         owner: Partition | None = ref[0] if kind == "ttl" else None
         if owner is None or state.partitions.get(owner.name) is not owner:
             continue  # another kind, or a partition cleared since

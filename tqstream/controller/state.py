@@ -24,15 +24,13 @@ from tqstream.controller.admission import (
     Admission,
 )
 from tqstream.controller.budget import Budgets
-from tqstream.controller.deadlines import Deadlines
+from tqstream.controller.deadlines import DeadlineHeap, Deadlines
 from tqstream.controller.faults import Faults
 from tqstream.controller.flow import FlowControl
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
 from tqstream.controller.puts import Puts
 from tqstream.controller.records import (
-    COMPACT_MIN,
-    DeadlineKind,
     Effects,
     Finished,
     Lease,
@@ -92,8 +90,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.finished_leases: Finished[LeaseEnd] = Finished(get_args(LeaseEnd))
         self.finished_puts: Finished[PutEnd] = Finished(get_args(PutEnd))
         self.parked: dict[str, dict[Any, Parked]] = {}
-        self._deadlines: list[tuple[float, int, DeadlineKind, Any]] = []
-        self._compact_at = COMPACT_MIN  # heap size at which ended entries are swept out
+        self.deadlines = DeadlineHeap(self._live)
         self.slot_owners: dict[str, dict[int, Any]] = {}  # admission -> slot id -> peer
         self._ids = itertools.count(1)
         self.outbox = Effects()  # effects of calls that return something else; see take_effects
