@@ -633,3 +633,22 @@ def test_a_given_pad_id_finds_the_position_that_disagrees() -> None:
         r"there\), where verl pads with 0",
     ):
         dataproto_to_rows(_two_pad_ids(), pad_token_id=0)
+
+
+def test_a_verl_read_builds_no_tensordict_of_the_rows(
+    client: tqstream.Client, partition: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rows_to_dataproto takes the rows from the read's columns: the TensorDict of nested
+    tensors that Batch.data would build is never made."""
+    import tqstream.client.batch
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("Batch.data was built")
+
+    dp = make_dataproto([[5, 6], [7]], [[10], [11, 12]], non_tensor={"uid": uids(2)})
+    exp = VerlExperience(client, partition=partition, fields=["responses", "uid"])
+    exp.put_experience(dp, current_version=0)
+    monkeypatch.setattr(tqstream.client.batch, "to_tensordict", refuse)
+    batch = exp.get_experience(2, current_version=0, timeout=10)
+    assert batch.data.batch["responses"].tolist() == [[10, 0], [11, 12]]
+    batch.ack()

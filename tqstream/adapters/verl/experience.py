@@ -184,9 +184,9 @@ class VerlExperience:
             self._written.update(part.schemas)
 
     def _convert(self, batch: ExperienceBatch, keys: Sequence[str] | None) -> Any:
-        out = convert(batch.data, keys, self.prompt_length, self.response_length, self.pad_token_id)
+        out = convert(batch, keys, self.prompt_length, self.response_length, self.pad_token_id)
         if not isinstance(out, Missing) and keys is not None:
-            read = batch.data.keys()
+            read = batch.data.keys() if batch.columns is None else batch.columns
             self._carried.update(k for k in out.non_tensor_batch if k not in read)
         return out
 
