@@ -278,6 +278,7 @@ def test_saving_while_producers_and_consumers_run(clusters: list[Cluster], tmp_p
         try:
             while not stop.is_set():
                 c.get("s", ["v"], 4, "A", timeout=5).ack()
+                stop.wait(0.02)  # slower than the producer: rows are held at every save
         except tqstream.RequestTimeoutError:
             pass
         except BaseException as exc:
@@ -287,6 +288,9 @@ def test_saving_while_producers_and_consumers_run(clusters: list[Cluster], tmp_p
     for t in threads:
         t.start()
     try:
+        waited = time.monotonic() + 30  # the producer's first put commits (its connections)
+        while not c.stats("s").partitions["s"].produced and time.monotonic() < waited:
+            time.sleep(0.01)
         summaries = [c.save_checkpoint(tmp_path / f"ck{n}") for n in range(3)]
     finally:
         stop.set()
