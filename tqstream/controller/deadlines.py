@@ -21,8 +21,7 @@ from tqstream.controller.records import (
     DeadlineKind,
     Effects,
     Finished,
-    Lease,
-    LeaseEnd,
+    LeaseTable,
     Parked,
     PendingPut,
     PutEnd,
@@ -74,7 +73,7 @@ class DeadlineHeap:
 class Deadlines:
     partitions: dict[str, Partition]
     pending: dict[int, PendingPut]
-    leases: dict[int, Lease]
+    leases: LeaseTable
     parked: dict[str, dict[Any, Parked]]
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
@@ -88,7 +87,6 @@ class Deadlines:
         def _evict(
             self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
         ) -> list[Any]: ...
-        def _end_lease(self, lease: Lease, status: LeaseEnd) -> None: ...
         def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
         def _timeout_error(self, p: Partition, req: Any) -> Any: ...
         def _acquire_timeout(self, req: Acquire, waited: float) -> Any: ...
@@ -125,7 +123,7 @@ class Deadlines:
                 if lease is not None and lease.deadline == deadline:
                     p = self.partitions[lease.partition]
                     p.release(lease.task, sorted(lease.rows))
-                    self._end_lease(lease, "expired")
+                    self.leases.end(lease, "expired")
                     touched.add(lease.partition)
             elif kind == "acquire":
                 waited = self.waiting_acquires.pop(ref, None)

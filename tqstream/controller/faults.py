@@ -27,8 +27,7 @@ from tqstream.controller.peers import peer_of
 from tqstream.controller.records import (
     Effects,
     Finished,
-    Lease,
-    LeaseEnd,
+    LeaseTable,
     Parked,
     PendingPut,
     PutEnd,
@@ -41,7 +40,7 @@ class Faults:
     partitions: dict[str, Partition]
     units: UnitTable
     pending: dict[int, PendingPut]
-    leases: dict[int, Lease]
+    leases: LeaseTable
     parked: dict[str, dict[Any, Parked]]
     waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
@@ -58,7 +57,6 @@ class Faults:
         def _evict(
             self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
         ) -> list[Row]: ...
-        def _end_lease(self, lease: Lease, status: LeaseEnd) -> None: ...
         def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
         def _serve_parked_puts(self) -> None: ...
         def _wake_acquires(self, name: str) -> None: ...
@@ -127,12 +125,12 @@ class Faults:
             self.finished_puts.end(put.put_id, "aborted")
             self._rollback(put, effects)
         touched = set()
-        for lease in [x for x in self.leases.values() if x.owner == peer]:
+        for lease in self.leases.where(owner=peer):
             p = self.partitions.get(lease.partition)
             if p is not None:
                 p.release(lease.task, sorted(lease.rows))
                 touched.add(p.name)
-            self._end_lease(lease, "disconnected")
+            self.leases.end(lease, "disconnected")
         for name, owners in self.slot_owners.items():
             mine = [s for s, o in owners.items() if o == peer]
             for s in mine:

@@ -4,8 +4,8 @@ leases, parked requests, and the version arithmetic of staleness windows. Pure d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Generic, Literal, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 import msgspec
 import numpy as np
@@ -190,6 +190,62 @@ class Lease:
     current_version: int | None = None  # the reader's version, for the lag at consumption
     measure: Measure = "head"
     owner: Any = None  # the reader's peer: its rows go back to available when it disconnects
+
+
+class LeaseTable(Mapping[int, "Lease"]):
+    """The leases granted and not ended (a read-only mapping of id to :class:`Lease`), and how
+    the newest ended ones ended: the only way a lease starts (:meth:`grant`) and ends
+    (:meth:`end`), so that an ended lease is always recorded and never still active."""
+
+    def __init__(self) -> None:
+        self._active: dict[int, Lease] = {}
+        self._ended: Finished[LeaseEnd] = Finished(get_args(LeaseEnd))
+
+    def __getitem__(self, lease_id: int) -> Lease:
+        return self._active[lease_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._active)
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def grant(self, lease: Lease) -> None:
+        if lease.lease_id in self._active or self._ended.get(lease.lease_id) is not None:
+            raise ValueError(f"lease id {lease.lease_id} was granted before")
+        self._active[lease.lease_id] = lease
+
+    def end(self, lease: Lease, status: LeaseEnd) -> None:
+        """The lease ends (``status`` answers a late ack or release); ending it again is a
+        no-op."""
+        if self._active.pop(lease.lease_id, None) is not None:
+            self._ended.end(lease.lease_id, status)
+
+    def status(self, lease_id: int) -> Literal["active"] | LeaseEnd | None:
+        """``"active"``, how the lease ended, or None (never granted, or ended too long ago)."""
+        return "active" if lease_id in self._active else self._ended.get(lease_id)
+
+    def where(
+        self, *, partition: str | None = None, task: str | None = None, owner: Any = None
+    ) -> list[Lease]:
+        """The active leases of a partition, a task and/or an owner (a copy: safe to end them
+        while going through it)."""
+        return [
+            lease
+            for lease in self._active.values()
+            if (partition is None or lease.partition == partition)
+            and (task is None or lease.task == task)
+            and (owner is None or lease.owner == owner)
+        ]
+
+    def forget_rows(self, partition: str, row_ids: set[int]) -> None:
+        """Rows of ``partition`` were deleted: they leave their leases, and a lease left without
+        rows ends ``"cleared"``."""
+        for lease in self.where(partition=partition):
+            if lease.rows & row_ids:
+                lease.rows -= row_ids
+                if not lease.rows:
+                    self.end(lease, "cleared")
 
 
 @dataclasses.dataclass(eq=False)

@@ -34,7 +34,7 @@ from tqstream.controller.records import (
     Effects,
     Finished,
     Lease,
-    LeaseEnd,
+    LeaseTable,
     Parked,
     PendingPut,
     PutEnd,
@@ -86,8 +86,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.waiting_acquires: dict[Any, tuple[Acquire, float]] = {}  # handle -> (req, since)
         self.budgets = Budgets()  # StalenessManagers' pooled budgets
         self.pending: dict[int, PendingPut] = {}
-        self.leases: dict[int, Lease] = {}
-        self.finished_leases: Finished[LeaseEnd] = Finished(get_args(LeaseEnd))
+        self.leases = LeaseTable()
         self.finished_puts: Finished[PutEnd] = Finished(get_args(PutEnd))
         self.parked: dict[str, dict[Any, Parked]] = {}
         self.deadlines = DeadlineHeap(self._live)
@@ -251,7 +250,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             req.measure,
             peer_of(parked.handle),
         )
-        self.leases[lease_id] = lease
+        self.leases.grant(lease)
         self._at(lease.deadline, "lease", lease_id)
         meta = self._meta(p, [p.rows[r] for r in rows], req.fields, req.task, lease_id)
         if req.measure == "token":  # the client masks the tokens outside (fresh_mask)
@@ -452,9 +451,8 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         tasks = [task] if task is not None else list(p.tasks)
         n = 0
         for name in tasks:
-            for lease in [q for q in self.leases.values() if q.partition == partition]:
-                if lease.task == name:
-                    self._end_lease(lease, "reset")
+            for lease in self.leases.where(partition=partition, task=name):
+                self.leases.end(lease, "reset")
             n += p.reset(name)
         self._serve_parked(partition, self.outbox, now)
         return n
@@ -479,7 +477,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
                     lag = lease.current_version - v
                     hist[lag] = hist.get(lag, 0) + 1
         if not lease.rows:
-            self._end_lease(lease, "acked")
+            self.leases.end(lease, "acked")
         if p.closed:  # the last rows of a closed partition acked: parked gets learn it drained
             self._serve_parked(partition, self.outbox, self.now)
         if p.registered and task in p.registered:  # free rows every registered task consumed
@@ -501,7 +499,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         n = p.release(task, rows)
         lease.rows.difference_update(rows)
         if not lease.rows:
-            self._end_lease(lease, "released")
+            self.leases.end(lease, "released")
         self._serve_parked(partition, effects, now)
         return n, effects
 
@@ -517,7 +515,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
                 f"{lease.partition!r}, not to task {task!r} of {partition!r}",
                 lease_id=lease_id,
             )
-        status = "active" if lease is not None else self.finished_leases.get(lease_id)
+        status = self.leases.status(lease_id)
         if status is None:
             raise UnknownLeaseError(
                 f"lease {lease_id} is unknown to this controller (never granted, or granted by a "
@@ -554,10 +552,6 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             lease_id=lease_id,
         )
 
-    def _end_lease(self, lease: Lease, status: LeaseEnd) -> None:
-        self.leases.pop(lease.lease_id, None)
-        self.finished_leases.end(lease.lease_id, status)
-
     # --- clearing ---
     def clear_samples(self, partition: str, row_ids: list[int]) -> Effects:
         effects = Effects()
@@ -577,12 +571,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
                     if u >= 0:
                         effects.drop_rows.setdefault(u, {}).setdefault(p.name, []).append(r.id)
         if removed:
-            ids = {r.id for r in removed}
-            for lease in list(self.leases.values()):
-                if lease.partition == p.name and lease.rows & ids:
-                    lease.rows -= ids
-                    if not lease.rows:
-                        self._end_lease(lease, "cleared")
+            self.leases.forget_rows(p.name, {r.id for r in removed})
             self._serve_parked_puts()
         return removed
 
@@ -607,9 +596,8 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         for put in self.pending.values():
             if put.partition == partition:
                 put.cancelled = True  # commit or deadline still drops its chunks
-        for lease in list(self.leases.values()):
-            if lease.partition == partition:
-                self._end_lease(lease, "cleared")
+        for lease in self.leases.where(partition=partition):
+            self.leases.end(lease, "cleared")
         for handle in self.parked.pop(partition, {}):
             effects.failed.append(
                 (
