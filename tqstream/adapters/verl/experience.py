@@ -21,7 +21,7 @@ from tqstream.adapters.verl.layout import DERIVED_FIELDS, LAYOUT_FIELD
 from tqstream.adapters.verl.rebuild import Missing, convert
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
-from tqstream.errors import InvalidRequestError, SchemaError
+from tqstream.errors import InvalidRequestError
 from tqstream.experience import Experience, ExperienceBatch
 from tqstream.staleness import StalenessPolicy, check_version
 from tqstream.types import BatchMeta
@@ -190,11 +190,10 @@ class VerlExperience:
             self._carried.update(k for k in out.non_tensor_batch if k not in read)
         return out
 
-    def _retry(self, out: Missing, before: list[str]) -> bool:
-        """After rows that lack ``out.keys``: whether reading again names more fields (keys
-        taken for object values are fields not written yet: the next get waits for them)."""
+    def _missing(self, out: Missing) -> None:
+        """After rows that lack ``out.keys``: they were taken for object values but are fields
+        not written yet (never named by the read), so the next read names and waits for them."""
         self._written.update(out.keys)
-        return set(out.keys) - set(before) != set()
 
     def get_experience(
         self, count: int, current_version: int, *, task: str = "actor",
@@ -224,8 +223,7 @@ class VerlExperience:
             if not isinstance(data, Missing):
                 return VerlBatch(batch.meta, data, self.client)
             batch.release()
-            if not self._retry(data, read):  # pragma: no cover - _retry always names more
-                raise SchemaError(f"the rows read have no {data.keys}", keys=data.keys)
+            self._missing(data)
 
     async def async_get_experience(
         self, count: int, current_version: int, *, task: str = "actor",
@@ -253,5 +251,4 @@ class VerlExperience:
             if not isinstance(data, Missing):
                 return VerlBatch(batch.meta, data, self.client)
             await batch.async_release()
-            if not self._retry(data, read):  # pragma: no cover - _retry always names more
-                raise SchemaError(f"the rows read have no {data.keys}", keys=data.keys)
+            self._missing(data)
