@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from test_controller_state import get, new_state, prepare, put, put_fields, req
+from test_controller_state import F32, I64, get, new_state, prepare, put, put_fields, req
 
 from tqstream.controller import snapshot
 from tqstream.controller.snapshot import (
@@ -26,6 +26,7 @@ from tqstream.errors import (
     CheckpointError,
     DuplicateKeyError,
     RequestTimeoutError,
+    SchemaError,
     UnknownLeaseError,
 )
 from tqstream.protocol.messages import Acquire
@@ -333,3 +334,31 @@ def test_an_admission_that_granted_slots_here_refuses_the_load() -> None:
     with pytest.raises(CheckpointError, match=r"admission 'q' of the checkpoint exists in this "):
         restore(fresh, snap, 0.0)
     assert fresh.admission_stats()["q"]["running"] == 1  # unchanged
+
+
+def test_a_restored_schema_outlives_writes_that_roll_back_or_are_refused() -> None:
+    """A field's schema fixed before a checkpoint stays fixed after the restore though no row
+    holds the field: neither a put of it that rolls back nor one refused at prepare forgets it,
+    so a later put of another schema is still refused."""
+    s = new_state(2)
+    meta = put(s, 2, ("a",), keys=["k0", "k1"])
+    s.clear_samples("p", meta.row_ids)
+    back = restored(saved(s))
+    assert back.stats("p")["p"].schemas == {"a": F32}
+    back.abort(prepare(back, 2, ("a",)).put_id)
+    put(back, 1, ("b",), keys=["taken"])
+    with pytest.raises(DuplicateKeyError):
+        prepare(back, 1, ("a",), keys=["taken"])
+    assert back.stats("p")["p"].schemas == {"a": F32, "b": F32}
+    with pytest.raises(SchemaError, match="stored as dense float32"):
+        prepare(back, 1, {"a": I64})
+
+
+def test_a_schema_of_a_put_in_flight_is_not_in_the_snapshot() -> None:
+    """The put in flight does not come back, and neither does the schema only it fixed."""
+    s = new_state(2)
+    put(s, 1, ("a",))
+    prepare(s, 1, ("a", "new"))
+    back = restored(saved(s))
+    assert back.stats("p")["p"].schemas == {"a": F32}
+    put(back, 1, {"a": F32, "new": I64})  # another schema for it is fine

@@ -102,6 +102,8 @@ class Partition:
         self.schemas: dict[str, FieldSchema] = {}
         self.bits: dict[str, int] = {}  # field -> bit in Row.written
         self.written_count: dict[str, int] = {}  # field -> committed rows having it
+        # schemas fixed by writes still in flight only: forgotten if all of those roll back
+        self.provisional: set[str] = set()
         self.rows: dict[int, Row] = {}
         self.keys: dict[str, int] = {}
         self.groups: dict[str, Group] = {}
@@ -170,7 +172,9 @@ class Partition:
                 )
         mask = 0
         for name, schema in offered.items():
-            self.schemas.setdefault(name, schema)
+            if name not in self.schemas:
+                self.schemas[name] = schema
+                self.provisional.add(name)
             mask |= self._bit(name)
         return mask
 
@@ -191,9 +195,12 @@ class Partition:
         )
 
     def forget_unused_schemas(self, fields: Iterable[str], still_pending: set[str]) -> None:
-        """After an aborted write: a schema fixed by it alone was never really written."""
+        """After a write was refused or rolled back: a schema that only writes in flight fixed,
+        none of which is left (``still_pending``: their fields), was never written. A schema that
+        rows were committed with, or that a checkpoint restored, stays."""
         for f in fields:
-            if f not in self.written_count and f not in still_pending:  # never committed
+            if f in self.provisional and f not in still_pending:
+                self.provisional.discard(f)
                 self.schemas.pop(f, None)
 
     # --- rows ---
@@ -346,6 +353,8 @@ class Partition:
         for name, bit in self.bits.items():
             if mask & bit:
                 self.written_count[name] = self.written_count.get(name, 0) + n
+                if n > 0:
+                    self.provisional.discard(name)
 
     def _available(self, r: Row, task: str) -> bool:
         t = self.tasks.get(task)

@@ -136,7 +136,7 @@ class Puts:
             )
         self.create_partition(req.partition, [])
         p = self.partitions[req.partition]
-        known, had = len(p.bits), set(p.schemas)
+        known = len(p.bits)
         mask = p.check_schemas(req.schemas)
         try:
             rows = p.reserve_rows(
@@ -144,9 +144,7 @@ class Puts:
                 frozenset(req.schemas),
             )  # fmt: skip
         except TQStreamError:
-            # schemas this refused put fixed (one kept from rows cleared since stays)
-            fixed = [f for f in req.schemas if f not in had]
-            p.forget_unused_schemas(fixed, self._pending_fields(req.partition))
+            p.forget_unused_schemas(req.schemas, self._pending_fields(req.partition))
             for f in list(p.bits)[known:]:  # fields only this refused put introduced
                 del p.bits[f]
             if created:

@@ -245,7 +245,7 @@ def _partition(
         name=p.name,
         key_prefix=p.key_prefix,
         fields=list(p.bits),
-        schemas=dict(p.schemas),
+        schemas={f: s for f, s in p.schemas.items() if f not in p.provisional},  # no put in flight
         rows=table,
         groups=groups,
         tasks=tasks,
