@@ -118,14 +118,14 @@ def test_a_gone_peer_gives_back_leases_parked_gets_puts_and_slots() -> None:
     leased = get(s, ["a"], 2, "t", handle=dead)
     assert get(s, ["a"], 1, "t", handle=Handle(b"dead"), timeout=None) is None  # parked
     plan = prepare(s, 3)
-    s.pending[plan.put_id].owner = b"dead"
+    s.puts[plan.put_id].owner = b"dead"
     s.create_admission("adm", "slots", {"max_pending_slots": 2, "max_version_slots": 9})
     acquire = Acquire(rid=0, name="adm", n=2, version=0)
     assert s.acquire(acquire, 0.0, dead) == [1, 2]
     assert s.acquire(acquire, 0.0, live) is None  # parked: both slots are taken
     effects = s.drop_peer(b"dead", 0.0)
     assert sum(len(v) for v in s.parked.values()) == 0
-    assert plan.put_id not in s.pending and effects.drop_chunks  # rolled back
+    assert plan.put_id not in s.puts and effects.drop_chunks  # rolled back
     assert s.stats("p")["p"].tasks["t"].available == 2
     with pytest.raises(LeaseExpiredError, match="connection that took it dropped"):
         s.ack("p", "t", leased.lease_id, leased.row_ids[:1])

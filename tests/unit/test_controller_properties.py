@@ -210,7 +210,7 @@ class ControllerMachine(RuleBasedStateMachine):
             for n, p in s.partitions.items()
         }
         leases = {i: (x.task, set(x.rows), x.deadline) for i, x in s.leases.items()}
-        return (s.stats(None), list(s.units.bytes), parts, sorted(s.pending), leases)
+        return (s.stats(None), list(s.units.bytes), parts, sorted(s.puts), leases)
 
     def some_partition(self, data: st.DataObject) -> str:
         """Mostly an existing partition; now and then any (to create one, or to be refused)."""
@@ -575,7 +575,7 @@ class ControllerMachine(RuleBasedStateMachine):
         if unit is None:
             self.finish_put(plan.put_id, fate)
         else:
-            assert stored is not None and not self.s.pending.get(plan.put_id)
+            assert stored is not None and not self.s.puts.get(plan.put_id)
             self.committed(self.puts.pop(plan.put_id), stored.meta, self.s.take_effects())
 
     @precondition(lambda self: any(p.rows for p in self.parts.values()))

@@ -121,7 +121,7 @@ def snapshot(s: ControllerState) -> Any:
             for n, p in s.partitions.items()
         },
         {n: p.next_row for n, p in s.partitions.items()},
-        len(s.pending),
+        len(s.puts),
         len(s.leases),
     )
 
@@ -1016,7 +1016,7 @@ def test_a_stored_put_lands_on_its_unit_committed_and_leaves_no_deadline() -> No
     assert parked is None
     reply = s.put_stored(stored_req(2, nbytes=16), 2, 0.0)
     assert reply is not None and reply.meta.units == [2, 2] and reply.meta.row_ids == [0, 1]
-    assert s.units.bytes == [0, 0, 16] and not s.pending
+    assert s.units.bytes == [0, 0, 16] and not s.puts
     # no put_timeout to watch for a put committed in the same step (only the lease just given)
     assert [kind for _, kind, _ in s.deadlines.entries()] == ["lease"]
     ((handle, meta),) = s.take_effects().served  # the parked reader got the rows at once
@@ -1043,7 +1043,7 @@ def test_a_stored_put_waits_for_room_on_its_own_unit() -> None:
     assert first is not None
     # unit 1 has room, but the data is on unit 0: the put waits for room there
     assert s.put_stored(stored_req(1, nbytes=40, timeout=5.0), 0, 1.0, "producer") is None
-    assert s.waiting_puts["producer"][2] == 0
+    assert s.puts.parked("producer").pinned == 0
     meta = s.get_meta(GetMeta(rid=0, partition="p", fields=["a"], batch_size=1, task="t"), "r", 2.0)
     assert meta is not None
     s.ack("p", "t", meta.lease_id, meta.row_ids)  # frees unit 0's 80 bytes

@@ -262,7 +262,7 @@ class Checkpoints:
         slots; returns the empty partitions the checkpoint will replace."""
         s = self.service.state
         full = {name: len(p.rows) for name, p in s.partitions.items() if p.rows}
-        if full or s.pending:
+        if full or s.puts:
             shown = ", ".join(f"{name!r} ({n} rows)" for name, n in sorted(full.items())[:5])
             raise CheckpointError(
                 f"cannot load the checkpoint at {path}: this cluster holds rows "

@@ -20,11 +20,10 @@ from tqstream.controller.records import (
     COMPACT_MIN,
     DeadlineKind,
     Effects,
-    Finished,
     LeaseTable,
     Parked,
     PendingPut,
-    PutEnd,
+    PutBook,
 )
 from tqstream.protocol.messages import Acquire, PreparePut
 
@@ -72,12 +71,10 @@ class DeadlineHeap:
 
 class Deadlines:
     partitions: dict[str, Partition]
-    pending: dict[int, PendingPut]
+    puts: PutBook
     leases: LeaseTable
     parked: dict[str, dict[Any, Parked]]
-    waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
-    finished_puts: Finished[PutEnd]
     now: float
     deadlines: DeadlineHeap
 
@@ -103,9 +100,9 @@ class Deadlines:
         if kind == "acquire":
             return ref in self.waiting_acquires
         if kind == "putwait":
-            return ref in self.waiting_puts
+            return self.puts.parked(ref) is not None
         if kind == "put":
-            return ref in self.pending
+            return ref in self.puts
         if kind == "ttl":
             return self.partitions.get(ref[0].name) is ref[0]
         return self.parked.get(ref.req.partition, {}).get(ref.handle) is ref
@@ -130,18 +127,18 @@ class Deadlines:
                 if waited is not None:
                     effects.failed.append((ref, self._acquire_timeout(waited[0], now - waited[1])))
             elif kind == "putwait":
-                put_wait = self.waiting_puts.pop(ref, None)
+                put_wait = self.puts.unpark(ref)
                 if put_wait is not None:
-                    error = self._capacity_error(put_wait[0], now - put_wait[1])
+                    error = self._capacity_error(put_wait.req, now - put_wait.since)
                     effects.failed.append((ref, error))
             elif kind == "ttl":
                 owner: Partition = ref[0]
                 if self.partitions.get(owner.name) is owner:  # not cleared and re-created since
                     owner.expired += len(self._evict(owner, ref[1], effects))
             elif kind == "put":
-                put = self.pending.pop(ref, None)
+                put = self.puts.get(ref)
                 if put is not None:
-                    self.finished_puts.end(ref, "cleared" if put.cancelled else "expired")
+                    self.puts.end(ref, "cleared" if put.cancelled else "expired")
                     self._rollback(put, effects)
             else:
                 parked: Parked = ref

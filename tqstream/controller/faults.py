@@ -26,28 +26,25 @@ from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import (
     Effects,
-    Finished,
     LeaseTable,
     Parked,
     PendingPut,
-    PutEnd,
+    PutBook,
 )
 from tqstream.controller.units import UnitTable
-from tqstream.protocol.messages import Acquire, PreparePut
+from tqstream.protocol.messages import Acquire
 
 
 class Faults:
     partitions: dict[str, Partition]
     units: UnitTable
-    pending: dict[int, PendingPut]
+    puts: PutBook
     leases: LeaseTable
     parked: dict[str, dict[Any, Parked]]
-    waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
     waiting_acquires: dict[Any, tuple[Acquire, float]]
     admissions: dict[str, tuple[Admission, str, dict[str, int]]]
     budgets: Budgets
     slot_owners: dict[str, dict[int, Any]]
-    finished_puts: Finished[PutEnd]
     outbox: Effects
     _ids: itertools.count[int]
 
@@ -67,9 +64,8 @@ class Faults:
         effects = Effects()
         if not self.units.alive[u]:
             return effects
-        for put in [q for q in self.pending.values() if any(c[0] == u for c in q.chunks)]:
-            del self.pending[put.put_id]
-            self.finished_puts.end(put.put_id, "unit-lost")
+        for put in self.puts.where(unit=u):
+            self.puts.end(put.put_id, "unit-lost")
             self._rollback(put, effects)
         for p in list(self.partitions.values()):
             gone = []
@@ -117,12 +113,13 @@ class Faults:
         for waiting in self.parked.values():
             for handle in [h for h in waiting if peer_of(h) == peer]:
                 del waiting[handle]
-        for table in (self.waiting_acquires, self.waiting_puts):
-            for handle in [h for h in table if peer_of(h) == peer]:
-                del table[handle]  # type: ignore[attr-defined]
-        for put in [q for q in self.pending.values() if q.owner == peer]:
-            del self.pending[put.put_id]
-            self.finished_puts.end(put.put_id, "aborted")
+        for handle in [h for h in self.waiting_acquires if peer_of(h) == peer]:
+            del self.waiting_acquires[handle]
+        for handle, _ in self.puts.waiting():
+            if peer_of(handle) == peer:
+                self.puts.unpark(handle)
+        for put in self.puts.where(owner=peer):
+            self.puts.end(put.put_id, "aborted")
             self._rollback(put, effects)
         touched = set()
         for lease in self.leases.where(owner=peer):

@@ -19,7 +19,7 @@ from tqstream.controller.admission import (
 from tqstream.controller.budget import Budgets
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import DeadlineKind, Effects
+from tqstream.controller.records import DeadlineKind, Effects, PutBook
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     AdmissionError,
@@ -42,7 +42,7 @@ class FlowControl:
     admissions: dict[str, tuple[Admission, str, dict[str, int]]]
     budgets: Budgets
     waiting_acquires: dict[Any, tuple[Acquire, float]]
-    waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
+    puts: PutBook
     units: UnitTable
     slot_owners: dict[str, dict[int, Any]]
     outbox: Effects
@@ -84,10 +84,11 @@ class FlowControl:
 
     def _serve_parked_puts(self) -> None:
         """Bytes were freed: retry waiting puts in arrival order."""
-        for handle, (req, since, unit) in list(self.waiting_puts.items()):
-            if handle not in self.waiting_puts:
+        for handle, _ in self.puts.waiting():
+            waiting = self.puts.unpark(handle)
+            if waiting is None:  # ended by an earlier retry of this loop
                 continue
-            del self.waiting_puts[handle]
+            req, since, unit = waiting
             now = max(self.now, since)
             try:
                 if unit is None:

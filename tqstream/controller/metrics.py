@@ -88,8 +88,9 @@ class Sample:
         self.latency = {op: (list(h.counts), h.sum) for op, h in metrics.latency.items()}
         self.errors = dict(metrics.errors)
         self.parked_puts: dict[str, int] = {}
-        for req, _, _ in state.waiting_puts.values():
-            self.parked_puts[req.partition] = self.parked_puts.get(req.partition, 0) + 1
+        for _, waiting in state.puts.waiting():
+            name = waiting.req.partition
+            self.parked_puts[name] = self.parked_puts.get(name, 0) + 1
         self.parked_acquires: dict[str, int] = {}
         for acquire, _ in state.waiting_acquires.values():
             self.parked_acquires[acquire.name] = self.parked_acquires.get(acquire.name, 0) + 1

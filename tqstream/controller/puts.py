@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import DeadlineKind, Effects, Finished, PendingPut, PutEnd
+from tqstream.controller.records import DeadlineKind, Effects, PendingPut, PutBook, WaitingPut
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     CapacityError,
@@ -45,9 +45,7 @@ from tqstream.types import BatchMeta
 class Puts:
     partitions: dict[str, Partition]
     units: UnitTable
-    pending: dict[int, PendingPut]
-    waiting_puts: dict[Any, tuple[PreparePut, float, int | None]]
-    finished_puts: Finished[PutEnd]
+    puts: PutBook
     put_timeout: float
     max_rows: int
     now: float
@@ -121,7 +119,7 @@ class Puts:
         if runs is None:  # no room now: back-pressure, never a silent drop
             if handle is None or req.timeout == 0:
                 raise self._capacity_error(req, 0.0)
-            self.waiting_puts[handle] = (req, now if since is None else since, pinned)
+            self.puts.park(handle, WaitingPut(req, now if since is None else since, pinned))
             if req.timeout is not None and since is None:
                 self._at(now + req.timeout, "putwait", handle)
             return None
@@ -144,7 +142,7 @@ class Puts:
                 frozenset(req.schemas),
             )  # fmt: skip
         except TQStreamError:
-            p.forget_unused_schemas(req.schemas, self._pending_fields(req.partition))
+            p.forget_unused_schemas(req.schemas, self.puts.fields_in_flight(req.partition))
             for f in list(p.bits)[known:]:  # fields only this refused put introduced
                 del p.bits[f]
             if created:
@@ -368,29 +366,20 @@ class Puts:
             per_row,
             owner=owner,
         )
-        self.pending[put.put_id] = put
+        self.puts.open(put)
         if timed:
             self._at(now + self.put_timeout, "put", put.put_id)
         return put
 
-    def _pending_fields(self, partition: str) -> set[str]:
-        return {
-            f
-            for q in self.pending.values()
-            if q.partition == partition and not q.cancelled
-            for f in q.fields
-        }
-
     def commit(self, put_id: int, now: float) -> tuple[BatchMeta | None, Effects]:
-        put = self.pending.pop(put_id, None)
+        put = self.puts.get(put_id)
         if put is None:
             raise self.put_error(put_id)
         effects = Effects()
+        self.puts.end(put_id, "cleared" if put.cancelled else "committed")
         if put.cancelled:
-            self.finished_puts.end(put_id, "cleared")
             self._rollback(put, effects)
             return None, effects  # the service sends the drops, then raises the error
-        self.finished_puts.end(put_id, "committed")
         p = self.partitions[put.partition]
         if put.new_rows:
             p.commit_rows(put.rows, put.mask)
@@ -453,7 +442,7 @@ class Puts:
         return StoredReply(rid=req.rid, chunk=plan.segments[0].chunk, meta=meta)
 
     def put_error(self, put_id: int) -> TQStreamError:
-        status = self.finished_puts.get(put_id)
+        status = self.puts.status(put_id)
         if status == "expired":
             return RequestTimeoutError(
                 f"put {put_id} was not committed within put_timeout={self.put_timeout}s and was "
@@ -478,9 +467,8 @@ class Puts:
 
     def abort(self, put_id: int) -> Effects:
         effects = Effects()
-        put = self.pending.pop(put_id, None)
+        put = self.puts.end(put_id, "aborted")
         if put is not None:
-            self.finished_puts.end(put_id, "aborted")
             self._rollback(put, effects)
         return effects
 
@@ -502,5 +490,5 @@ class Puts:
                 r.pending &= ~put.mask
                 r.nbytes -= put.per_row
                 self._charge(r, -put.per_row)
-        p.forget_unused_schemas(put.fields, self._pending_fields(put.partition))
+        p.forget_unused_schemas(put.fields, self.puts.fields_in_flight(put.partition))
         self._serve_parked_puts()

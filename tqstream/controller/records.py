@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Generic, Literal, TypeVar, get_args
+from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
 import msgspec
 import numpy as np
 
 from tqstream.controller.partition import Row
 from tqstream.errors import InvalidRequestError, TQStreamError
-from tqstream.protocol.messages import GetMeta
+from tqstream.protocol.messages import GetMeta, PreparePut
 from tqstream.types import BatchMeta, Measure
 
 
@@ -178,6 +178,87 @@ class PendingPut:
     keyed: bool = False  # a put_fields by key: its commit answers with the rows' metadata
     versions: tuple[list[int | None], list[int | None]] | None = None  # (starts, ends) per row
     overwrite: bool = False  # its chunks are published to the units at the commit
+
+
+class WaitingPut(NamedTuple):
+    """A put waiting for room under a quota: its request, since when it waits, and the unit it
+    was stored on first (a direct put; None for a placed one)."""
+
+    req: PreparePut
+    since: float
+    pinned: int | None
+
+
+class PutBook(Mapping[int, PendingPut]):
+    """The puts in flight (prepared, neither committed nor rolled back: a read-only mapping of
+    id to :class:`PendingPut`), how the newest ended ones ended, and the puts waiting for room
+    under a quota. A put starts only by :meth:`open` and ends only by :meth:`end`, so that an
+    ended put is always recorded and never still in flight."""
+
+    def __init__(self) -> None:
+        self._active: dict[int, PendingPut] = {}
+        self._ended: Finished[PutEnd] = Finished(get_args(PutEnd))
+        self._waiting: dict[Any, WaitingPut] = {}  # by request handle, in arrival order
+
+    def __getitem__(self, put_id: int) -> PendingPut:
+        return self._active[put_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._active)
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def open(self, put: PendingPut) -> None:
+        if put.put_id in self._active or self._ended.get(put.put_id) is not None:
+            raise ValueError(f"put id {put.put_id} was opened before")
+        self._active[put.put_id] = put
+
+    def end(self, put_id: int, status: PutEnd) -> PendingPut | None:
+        """The put ends (``status`` answers a late commit or abort): the put, or None when it was
+        not in flight (ending it again is a no-op)."""
+        put = self._active.pop(put_id, None)
+        if put is not None:
+            self._ended.end(put_id, status)
+        return put
+
+    def status(self, put_id: int) -> Literal["pending"] | PutEnd | None:
+        """``"pending"``, how the put ended, or None (never opened, or ended too long ago)."""
+        return "pending" if put_id in self._active else self._ended.get(put_id)
+
+    def where(
+        self, *, partition: str | None = None, owner: Any = None, unit: int | None = None,
+        live: bool = False,
+    ) -> list[PendingPut]:  # fmt: skip
+        """The puts in flight of a partition, an owner, with a chunk on a unit and/or (``live``)
+        whose partition was not cleared since (a copy: safe to end them while going through it)."""
+        return [
+            put
+            for put in self._active.values()
+            if (partition is None or put.partition == partition)
+            and (owner is None or put.owner == owner)
+            and (unit is None or any(u == unit for u, _ in put.chunks))
+            and not (live and put.cancelled)
+        ]
+
+    def fields_in_flight(self, partition: str) -> set[str]:
+        """The fields the live puts in flight to ``partition`` write."""
+        return {f for put in self.where(partition=partition, live=True) for f in put.fields}
+
+    # --- waiting for room ---
+    def park(self, handle: Any, waiting: WaitingPut) -> None:
+        self._waiting[handle] = waiting
+
+    def unpark(self, handle: Any) -> WaitingPut | None:
+        """Stop the wait of ``handle``'s put: how it waited, None when it does not wait."""
+        return self._waiting.pop(handle, None)
+
+    def parked(self, handle: Any) -> WaitingPut | None:
+        return self._waiting.get(handle)
+
+    def waiting(self) -> list[tuple[Any, WaitingPut]]:
+        """The waiting puts by handle, in arrival order (a copy)."""
+        return list(self._waiting.items())
 
 
 @dataclasses.dataclass

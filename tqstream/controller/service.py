@@ -235,7 +235,7 @@ class ControllerService:
                 case CommitPut():
                     meta, effects = s.commit(msg.put_id, now)
                     orders = self._apply(effects)
-                    if s.finished_puts.get(msg.put_id) == "cleared":
+                    if s.puts.status(msg.put_id) == "cleared":
                         raise s.put_error(msg.put_id)
                     reply = Ok(rid=msg.rid) if meta is None else MetaReply(rid=msg.rid, meta=meta)
                     # an overwrite is seen by every reader once its units have published it

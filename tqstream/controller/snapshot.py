@@ -170,7 +170,7 @@ def take(state: ControllerState, now: float) -> Taken:
     before = next(state._ids)
     extra: dict[tuple[str, int], int] = {}  # bytes of put_fields in flight, not in the snapshot
     skip: dict[int, list[int]] = {}
-    for put in state.pending.values():
+    for put in state.puts.values():
         for unit, chunk in put.chunks:
             skip.setdefault(unit, []).append(chunk)
         if not put.new_rows and not put.cancelled:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from typing import Any, get_args
+from typing import Any
 
 import msgspec
 
@@ -32,12 +32,10 @@ from tqstream.controller.peers import peer_of
 from tqstream.controller.puts import Puts
 from tqstream.controller.records import (
     Effects,
-    Finished,
     Lease,
     LeaseTable,
     Parked,
-    PendingPut,
-    PutEnd,
+    PutBook,
     check_window,
     version_of,
 )
@@ -59,7 +57,6 @@ from tqstream.errors import (
 from tqstream.protocol.messages import (
     Acquire,
     GetMeta,
-    PreparePut,
 )
 from tqstream.types import BatchMeta, PartitionStats, RowListing
 
@@ -79,15 +76,12 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.max_rows = max_rows  # rows held at most, over every partition; 0: no cap
         self.partitions: dict[str, Partition] = {}
         self.units = UnitTable()
-        # handle -> (put, since, the unit holding a stored put's data or None)
-        self.waiting_puts: dict[Any, tuple[PreparePut, float, int | None]] = {}
         self.now = 0.0  # the latest time seen: a put woken by freed bytes is planned at it
         self.admissions: dict[str, tuple[Admission, str, dict[str, int]]] = {}
         self.waiting_acquires: dict[Any, tuple[Acquire, float]] = {}  # handle -> (req, since)
         self.budgets = Budgets()  # StalenessManagers' pooled budgets
-        self.pending: dict[int, PendingPut] = {}
+        self.puts = PutBook()
         self.leases = LeaseTable()
-        self.finished_puts: Finished[PutEnd] = Finished(get_args(PutEnd))
         self.parked: dict[str, dict[Any, Parked]] = {}
         self.deadlines = DeadlineHeap(self._live)
         self.slot_owners: dict[str, dict[int, Any]] = {}  # admission -> slot id -> peer
@@ -259,7 +253,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         return msgspec.structs.replace(meta, stale_dropped=dropped) if dropped else meta
 
     def _has_pending(self, partition: str) -> bool:
-        return any(q.partition == partition and not q.cancelled for q in self.pending.values())
+        return bool(self.puts.where(partition=partition, live=True))
 
     def _serve_parked(self, partition: str, effects: Effects, now: float) -> None:
         waiting = self.parked.get(partition)
@@ -593,9 +587,8 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         # the drop to older chunks, and never reuse row ids under the name (see create_partition).
         effects.drop_partitions.append((partition, next(self._ids)))
         self._next_rows[partition] = p.next_row
-        for put in self.pending.values():
-            if put.partition == partition:
-                put.cancelled = True  # commit or deadline still drops its chunks
+        for put in self.puts.where(partition=partition):
+            put.cancelled = True  # commit or deadline still drops its chunks
         for lease in self.leases.where(partition=partition):
             self.leases.end(lease, "cleared")
         for handle in self.parked.pop(partition, {}):
@@ -663,9 +656,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
                 fields={f: p.written_count.get(f, 0) for f in p.bits},
                 schemas=dict(p.schemas),
                 tasks=p.task_stats(),
-                pending_puts=sum(
-                    1 for q in self.pending.values() if q.partition == name and not q.cancelled
-                ),
+                pending_puts=len(self.puts.where(partition=name, live=True)),
                 parked_requests=len(self.parked.get(name, {})),
                 produced=p.produced,
                 rejected=p.rejected,
