@@ -146,10 +146,11 @@ class ClientConfig:
     shared_memory_min_bytes: int = 1 << 20
     """Chunks smaller than this are put as frames even when shared memory is available: for them
     a message is as fast as mapping a segment (docs/benchmarks.md)."""
-    direct_put_bytes: int = 1 << 20
-    """Puts of fewer bytes that go as frames (see ``shared_memory_min_bytes``) go to one storage
-    unit in one exchange (units in turn; the unit has the controller commit them); other puts are
-    placed by the controller first (spread over units by load). 0: every put is placed first."""
+    direct_put_bytes: int = 16 << 20
+    """Puts of fewer bytes go to one storage unit in one exchange (units in turn; the unit has the
+    controller commit them), their bytes as one frame or, from ``shared_memory_min_bytes`` on,
+    through the unit's shared memory; larger puts are placed by the controller first (spread over
+    units by load). 0: every put is placed first."""
     keys: str = ""
     """Path of the cluster's CURVE key file (the one ``tqstream-launch --keys`` names), needed to
     reach a cluster started with keys; empty: connect without (docs/security.md)."""

@@ -19,6 +19,7 @@ import torch
 
 import tqstream
 from tqstream.launch.processes import ProcessCluster
+from tqstream.protocol import shm
 
 WORKER = Path(__file__).with_name("fault_client.py")
 FAST = tqstream.ClientConfig(connect_timeout=3.0)
@@ -172,6 +173,11 @@ def _drain(c: tqstream.Client, partition: str, n: int) -> list[float]:
     return seen
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _proc_of(cluster: ProcessCluster, c: tqstream.Client, unit: int) -> int:
     """The index in ``cluster.unit_addresses`` of the controller's unit ``unit``."""
     return cluster.unit_addresses.index(c.stats().units[unit].address)
@@ -228,6 +234,42 @@ def test_a_small_put_to_a_frozen_unit_fails_naming_it_and_the_next_avoids_it() -
                 assert set(c.put(_rows(200 + 4 * i), "p").units) == {0}
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+def test_a_direct_put_through_shared_memory_to_a_frozen_unit_leaves_nothing_behind() -> None:
+    """The client of a put whose unit froze removes its segment; the unit, thawed, finds no
+    segment for the put it had queued, refuses it and stores nothing: no segment is orphaned and
+    the rows put before are intact."""
+    fast = tqstream.ClientConfig(
+        connect_timeout=2.0, heartbeat_interval=0.2, shared_memory_min_bytes=0
+    )
+    with ProcessCluster(1) as cluster, tqstream.connect(cluster.address, fast) as c:
+        c.put(_rows(0), "p")
+        pid = cluster.procs[1].pid
+        (token,) = (  # the unit's, from its probe (token pid ...)
+            n[4:20]
+            for n in os.listdir(shm.SHM_DIR)
+            if n.endswith("-probe") and _read(f"{shm.SHM_DIR}/{n}").split()[1] == str(pid)
+        )
+
+        def shm_names(kind: str) -> set[str]:
+            return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"tqs-{token}-{kind}")}
+
+        assert len(shm_names("c")) == 1
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(tqstream.UnitLostError, match="did not take a put of 4 rows"):
+                c.put(_rows(100), "p")
+            assert shm_names("d") == set()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _until(lambda: c.stats().units[0].alive, 10.0)
+        c.put(_rows(200), "p")  # the unit served the frozen put's refusal before this one
+        assert c.stats("p").partitions["p"].rows == 8
+        assert len(shm_names("c")) == 2
+        assert shm_names("d") == shm_names("l") == set()
+        got = c.get("p", "x", batch_size=8, task="t", timeout=10).data["x"][:, 0]
+        assert sorted(got.tolist()) == [0, 1, 2, 3, 200, 201, 202, 203]
 
 
 def test_a_restarted_unit_registers_again_and_takes_new_rows() -> None:

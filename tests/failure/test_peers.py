@@ -121,11 +121,20 @@ def _rolled_back_within(
     assert client.stats().storage_bytes == base
 
 
-def test_failed_store_leaves_no_rows_no_bytes_no_schema() -> None:
+@pytest.mark.parametrize(
+    "config",
+    [
+        tqstream.ClientConfig(direct_put_bytes=0),  # placed: a Store of 2**19 row ids
+        tqstream.ClientConfig(shared_memory="off"),  # one PutRows of 2 MiB in a frame
+    ],
+    ids=["placed", "direct"],
+)
+def test_failed_store_leaves_no_rows_no_bytes_no_schema(config: tqstream.ClientConfig) -> None:
     # the storage unit refuses messages the controller and client would accept
     cluster = EmbeddedCluster(ControllerConfig(), StorageConfig(max_message_bytes=1 << 20))
     try:
-        with tqstream.connect(cluster.address) as client:
+        with tqstream.connect(cluster.address, config) as client:
+            client.create_partition("p")
             with pytest.raises(tqstream.MessageTooLargeError):
                 client.put({"x": torch.zeros(1 << 19)}, "p")
             st = client.stats("p")

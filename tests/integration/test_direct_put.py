@@ -11,6 +11,7 @@ the unit before the controller's answer does.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ import tqstream
 from tqstream import Client
 from tqstream.config import StorageConfig
 from tqstream.convert.inputs import columns_from_data
+from tqstream.protocol import shm
 from tqstream.protocol.connection import Connection
 from tqstream.protocol.messages import (
     Columns,
@@ -163,12 +165,35 @@ async def unit_with_scripted_controller() -> AsyncIterator[tuple[ScriptedControl
         ctx.destroy(linger=0)
 
 
-def put_rows(partition: str, i: int) -> tuple[PutRows, list[Any]]:
+def put_rows(partition: str, i: int, token: str = "") -> tuple[PutRows, list[Any]]:
+    """A PutRows of one row; with ``token``, its bytes in a direct segment of that unit."""
     n, cols = columns_from_data({"x": torch.tensor([[float(i), 1.0]])})
-    refs, frames = columns_to_wire(cols, packed=True)
     put = PreparePut(rid=0, partition=partition, n_rows=n, nbytes=0,
                      schemas={k: c.schema for k, c in cols.items()})  # fmt: skip
+    if token:
+        refs, buffers = columns_to_wire(cols)
+        regions = shm.write_segment(shm.direct_segment(token), buffers)
+        return PutRows(rid=0, put=put, columns=refs, shared=regions), []
+    refs, frames = columns_to_wire(cols, packed=True)
     return PutRows(rid=0, put=put, columns=refs), frames
+
+
+def names(token: str, kind: str) -> set[str]:
+    """The unit's segments of one kind ("c" chunks, "d" direct puts, "l" taken, "p" spares)."""
+    prefix = f"tqs-{token}-{kind}"
+    return {
+        n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix) and n[len(prefix) :].isdigit()
+    }
+
+
+PATHS = pytest.mark.parametrize(
+    "shared",
+    [
+        False,
+        pytest.param(True, marks=pytest.mark.skipif(not shm.available(), reason="no /dev/shm")),
+    ],
+    ids=["frames", "shared-memory"],
+)
 
 
 def answer(chunk: int, partition: str, rows: list[int]) -> StoredResults:
@@ -210,11 +235,16 @@ def test_a_fetch_that_overtakes_the_landing_waits_for_it() -> None:
     asyncio.run(main())
 
 
-def test_a_drop_that_overtakes_the_landing_is_applied_when_it_lands() -> None:
+@PATHS
+def test_a_drop_that_overtakes_the_landing_is_applied_when_it_lands(shared: bool) -> None:
+    """... and through shared memory the dropped put's segment is recycled, the kept one's is
+    named after its chunk: no segment is left in between."""
+
     async def main() -> None:
         async with unit_with_scripted_controller() as (ctrl, conn):
+            token = conn.welcome.shm if shared else ""
             for i, (rows, chunk) in enumerate((([50], 3), ([51], 4))):
-                msg, frames = put_rows("p", i)
+                msg, frames = put_rows("p", i, token)
                 putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
                 _, responder = await asyncio.wait_for(ctrl.held.get(), 10)
                 if i == 0:  # the drop of row 50 comes first: kept for the landing
@@ -229,7 +259,7 @@ def test_a_drop_that_overtakes_the_landing_is_applied_when_it_lands() -> None:
                     await conn.request(Fetch(rid=0, partition="p", row_ids=rows, fields=["x"]),
                                        timeout=10)  # fmt: skip
             # a later put of a re-created partition (chunk 6 >= 5) is kept
-            msg, frames = put_rows("p", 2)
+            msg, frames = put_rows("p", 2, token)
             putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
             _, responder = await asyncio.wait_for(ctrl.held.get(), 10)
             responder.reply(answer(6, "p", [52]))
@@ -237,14 +267,19 @@ def test_a_drop_that_overtakes_the_landing_is_applied_when_it_lands() -> None:
             got, _ = await conn.request(Fetch(rid=0, partition="p", row_ids=[52], fields=["x"]),
                                         timeout=10)  # fmt: skip
             assert isinstance(got, Columns)
+            if token:
+                assert names(token, "c") == {shm.chunk_segment(token, 6)}
+                assert names(token, "d") == names(token, "l") == set()
 
     asyncio.run(main())
 
 
-def test_a_put_the_controller_refuses_is_not_kept() -> None:
+@PATHS
+def test_a_put_the_controller_refuses_is_not_kept(shared: bool) -> None:
     async def main() -> None:
         async with unit_with_scripted_controller() as (ctrl, conn):
-            msg, frames = put_rows("p", 1)
+            token = conn.welcome.shm if shared else ""
+            msg, frames = put_rows("p", 1, token)
             putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
             _, responder = await asyncio.wait_for(ctrl.held.get(), 10)
             refused = tqstream.DuplicateKeyError("key 'a' exists", keys=["a"])
@@ -252,6 +287,7 @@ def test_a_put_the_controller_refuses_is_not_kept() -> None:
             with pytest.raises(tqstream.DuplicateKeyError, match="key 'a' exists"):
                 await putting
             # the whole message failing fails its puts alike
+            msg, frames = put_rows("p", 1, token)
             putting = asyncio.ensure_future(conn.request(msg, frames, timeout=10))
             _, responder = await asyncio.wait_for(ctrl.held.get(), 10)
             responder.fail(tqstream.CapacityError("no room", nbytes=8))
@@ -259,6 +295,9 @@ def test_a_put_the_controller_refuses_is_not_kept() -> None:
                 await putting
             stats, _ = await conn.request(GetUnitStats(rid=0), timeout=10)
             assert stats.stats.bytes == 0 and stats.stats.chunks == 0
+            if token:  # both segments became spares
+                assert names(token, "c") == names(token, "d") == names(token, "l") == set()
+                assert len(names(token, "p")) == 2
 
     asyncio.run(main())
 

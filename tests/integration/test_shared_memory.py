@@ -32,6 +32,8 @@ from tqstream.protocol.messages import (
     Fetch,
     GetUnitStats,
     Ok,
+    PreparePut,
+    PutRows,
     Region,
     Store,
     UnitStatsReply,
@@ -439,6 +441,44 @@ def test_full_dev_shm_large_gather_falls_back_to_frames(
     assert torch.equal(got, torch.cat([a, b]))
 
 
+def test_direct_put_hands_its_segment_to_the_unit_and_reuses_spares(embedded: Client) -> None:
+    """A put small enough for one exchange (PutRows) writes its own segment, which the unit takes
+    and names after the chunk; the rows' clear recycles it as a spare, which a later put claims;
+    no direct or landing segment is ever left behind."""
+    x = torch.randn(128, 1024)
+    assert x.nbytes < embedded._core.config.direct_put_bytes
+    embedded.put({"x": x}, "p")
+    token = shm_tokens(embedded)[0]
+    assert len(segments(token, "c")) == 1
+    got = embedded.get("p", "x", batch_size=128, task="t", timeout=5).data["x"]
+    assert torch.equal(got, x) and in_chunk_segment(got, token)
+    del got
+    gc.collect()
+    embedded.clear_partition("p")
+    spares = segments(token, "p")
+    assert spares and segments(token, "c") == set()
+    embedded.put({"x": x + 1}, "q")  # its answer lists the spares (the client's last news)
+    assert segments(token, "p") == spares
+    embedded.put({"x": x + 2}, "r")  # claims one (renamed to its segment: its pages exist)
+    assert len(segments(token, "p")) == len(spares) - 1
+    got = embedded.get("r", "x", batch_size=128, task="t", timeout=5).data["x"]
+    assert torch.equal(got, x + 2)
+    assert segments(token, "d") == segments(token, "l") == set()
+
+
+def test_refused_direct_put_leaves_no_segment(embedded: Client) -> None:
+    """A direct put the controller refuses (a schema change) raises the typed error; its segment
+    goes back to the unit's spares and nothing is stored."""
+    embedded.put({"x": torch.randn(64, 256)}, "p")
+    token = shm_tokens(embedded)[0]
+    chunks = segments(token, "c")
+    with pytest.raises(tqstream.SchemaError, match="stored as dense float32"):
+        embedded.put({"x": torch.randn(64, 512)}, "p")
+    assert segments(token, "c") == chunks
+    assert segments(token, "d") == segments(token, "l") == set()
+    assert embedded.stats("p").partitions["p"].rows == 64
+
+
 # --- refused and aborted stores at the protocol level -----------------------------------------
 def test_store_arriving_after_its_chunk_was_dropped_is_refused(embedded: Client) -> None:
     """A Store whose chunk was rolled back while it was in flight (segment written, then the drop,
@@ -494,6 +534,49 @@ def test_segment_whose_store_never_arrives_is_unlinked_by_the_drop(embedded: Cli
         assert await unit_chunks(conn) == 0
 
     on_unit(address, body)
+
+
+def test_direct_put_whose_segment_is_gone_is_refused(embedded: Client) -> None:
+    """A PutRows whose segment its client removed (it gave up on the put) is refused with a
+    message saying so; one naming anything but a direct segment of this unit is malformed; the
+    unit stores nothing either way and keeps serving."""
+    address = embedded.stats().units[0].address
+    n, columns = columns_from_data({"v": torch.arange(8)})
+
+    async def body(conn: Connection) -> None:
+        token = conn.welcome.shm
+        refs, buffers = columns_to_wire(columns)
+        schemas = {name: col.schema for name, col in columns.items()}
+        req = PreparePut(rid=0, partition="raw", n_rows=n, schemas=schemas, nbytes=64)
+        name = shm.direct_segment(token)
+        regions = shm.write_segment(name, buffers)
+        shm.unlink(name)  # the client gave up
+        msg = PutRows(rid=0, put=req, columns=refs, shared=regions)
+        with pytest.raises(tqstream.InvalidRequestError, match="does not exist: its client gave"):
+            await conn.request(msg, timeout=5)
+        for bad in ([Region(f"tqs-{token}-c1", 0, 64)], [Region("../x", 0, 64)]):
+            with pytest.raises(tqstream.MalformedMessageError, match="a direct put names one"):
+                await conn.request(msgspec.structs.replace(msg, shared=bad), timeout=5)
+        assert await unit_chunks(conn) == 0
+        assert segments(token, "d") == segments(token, "l") == set()
+
+    on_unit(address, body)
+
+
+def test_direct_segment_of_a_client_that_never_sent_it_is_swept() -> None:
+    """A direct put's segment that no PutRows came for (its client died in between) is unlinked
+    by the unit's sweep once old enough, and only then; other names are left alone."""
+    unit = shm.UnitSegments()
+    try:
+        name = shm.direct_segment(unit.token)
+        shm.write_segment(name, [b"x" * 100])
+        assert unit.sweep_orphans(age=3600.0) == 0
+        assert segments(unit.token, "d") == {name}
+        assert unit.sweep_orphans(age=-1.0) == 1
+        assert segments(unit.token, "d") == set()
+        assert segments(unit.token, "probe")
+    finally:
+        unit.close()
 
 
 def test_store_naming_a_foreign_segment_is_refused(embedded: Client) -> None:

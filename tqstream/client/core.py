@@ -1,8 +1,9 @@
 """The client's protocol logic, running on the client's IO loop (see ``client.py``).
 
 One connection to the controller and one per storage unit, opened lazily and kept for the client's
-life. A small put (under ``direct_put_bytes``) is one ``PutRows`` to the next storage unit in turn,
-which holds the columns and has the controller commit them (``storage/service.py``); a client that
+life. A put under ``direct_put_bytes`` is one ``PutRows`` to the next storage unit in turn, which
+holds the columns and has the controller commit them (``storage/service.py``); its bytes are one
+packed frame, or a shared-memory segment the unit takes over (``protocol/shm.py``); a client that
 dies mid-put leaves either a committed put or nothing. A larger put is: ``PreparePut`` at the
 controller (validation, keys, placement) → one ``Store`` per storage unit, concurrently, each
 carrying one contiguous chunk per field → ``CommitPut``. If
@@ -86,33 +87,18 @@ GET_GRACE = 10.0
 """Extra seconds a client waits for a parked get beyond its server-side timeout."""
 
 
-def _store_message(
-    partition: str,
-    chunk: int,
-    row_ids: list[int],
-    columns: Mapping[str, Column],
-    token: str,
-    min_shared: int,
-    spares: list[Spare],
-    overwrite: bool = False,
-) -> tuple[Store, list[memoryview]]:
-    """The Store of one chunk: tensor bytes as frames, or written to the unit's shared memory
-    (into one of its ``spares`` when one fits) when ``token`` names a reachable unit, the chunk
-    has ``min_shared`` bytes or more, and /dev/shm has room."""
-    refs, buffers = columns_to_wire(columns)
-    msg = Store(
-        rid=0, partition=partition, chunk=chunk, row_ids=row_ids, columns=refs, overwrite=overwrite
-    )
-    if token and buffers and sum(memoryview(b).nbytes for b in buffers) >= min_shared:
-        name = shm.chunk_segment(token, chunk)
-        reused = shm.claim(spares, name, shm.segment_size(buffers))
-        spares[:] = [s for s in spares if s.name != reused]
-        try:
-            regions = shm.write_segment(name, buffers, reuse=bool(reused))
-        except OSError:
-            return msg, buffers  # e.g. /dev/shm is full: frames still work
-        return msgspec.structs.replace(msg, shared=regions, reused=reused), []
-    return msg, buffers
+def _write_shared(
+    name: str, buffers: Sequence[Any], spares: list[Spare]
+) -> tuple[list[Region], str] | None:
+    """Write ``buffers`` to segment ``name`` of a unit's shared memory (into one of its ``spares``
+    when one fits): the regions and the claimed spare's name, or None when /dev/shm has no room
+    (frames still work)."""
+    reused = shm.claim(spares, name, shm.segment_size(buffers))
+    spares[:] = [s for s in spares if s.name != reused]
+    try:
+        return shm.write_segment(name, buffers, reuse=bool(reused)), reused
+    except OSError:
+        return None
 
 
 def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) -> list[Any]:
@@ -340,9 +326,7 @@ class ClientCore:
             return BatchMeta(partition, [], [], [], [], [], [], list(columns), {},
                              rejected=req.rejected)  # fmt: skip
         wait = None if req.timeout is None else req.timeout + GET_GRACE
-        cfg = self.config
-        framed = cfg.shared_memory == "off" or req.nbytes < cfg.shared_memory_min_bytes
-        direct = framed and req.nbytes < cfg.direct_put_bytes and self.unit_addresses
+        direct = req.nbytes < self.config.direct_put_bytes and self.unit_addresses
         if direct and partition not in self._placed:
             try:
                 return await self._put_direct(req, columns, wait)
@@ -370,21 +354,37 @@ class ClientCore:
     async def _put_direct(
         self, req: PreparePut, columns: dict[str, Column], wait: float | None
     ) -> BatchMeta:
-        """One exchange: the next reachable storage unit in turn takes the rows and commits them."""
+        """One exchange: the next reachable storage unit in turn takes the rows and commits them.
+        The bytes go through the unit's shared memory when it shares this host and the put has
+        ``shared_memory_min_bytes``, else as one packed frame."""
         n, now = len(self.unit_addresses), time.monotonic()
         for _ in range(n):
             unit = self._turn % n
             self._turn += 1
             if self._skip.get(unit, 0.0) <= now and not self._is_down(unit):
                 break
-        refs, buffers = columns_to_wire(columns, packed=True)
-        msg = PutRows(rid=0, put=req, columns=refs)
         wait = None if wait is None else wait + GET_GRACE  # the unit waits for the controller
+        segment = ""
         try:
             conn = await self._unit(unit)
+            msg: PutRows | None = None
+            buffers: list[Any] = []
+            token = self._token(unit)
+            if token and req.nbytes >= self.config.shared_memory_min_bytes:
+                refs, buffers = columns_to_wire(columns)
+                segment = shm.direct_segment(token)
+                written = _write_shared(segment, buffers, self._spares.setdefault(unit, []))
+                if written is not None:
+                    msg, buffers = PutRows(rid=0, put=req, columns=refs, shared=written[0],
+                                           reused=written[1]), []  # fmt: skip
+            if msg is None:
+                segment = ""
+                refs, buffers = columns_to_wire(columns, packed=True)
+                msg = PutRows(rid=0, put=req, columns=refs)
             reply: MetaReply = await self._ask(
                 msg, MetaReply, conn=conn, buffers=buffers, timeout=wait
             )
+            segment = ""  # the unit took it
         except (ConnectError, ConnectionLostError) as exc:
             self._skip[unit] = now + self.config.connect_timeout
             raise UnitLostError(
@@ -396,6 +396,11 @@ class ClientCore:
                 unit=unit,
                 address=self.unit_addresses[unit],
             ) from exc
+        finally:
+            if segment:  # not taken yet: the unit finds nothing and refuses (shm.py), or took it
+                shm.unlink(segment)
+        if msg.shared:
+            self._spares[unit] = list(reply.spare)
         meta = reply.meta
         return msgspec.structs.replace(meta, rejected=req.rejected) if req.rejected else meta
 
@@ -444,9 +449,17 @@ class ClientCore:
     ) -> None:
         """Store one chunk on ``unit``; a shared-memory store learns the unit's spares."""
         conn = await self._unit(unit)
-        token, least = self._token(unit), self.config.shared_memory_min_bytes
-        spares = self._spares.setdefault(unit, [])
-        msg, buffers = _store_message(partition, chunk, rows, part, token, least, spares, overwrite)
+        token = self._token(unit)
+        refs, buffers = columns_to_wire(part)
+        msg = Store(rid=0, partition=partition, chunk=chunk, row_ids=rows, columns=refs,
+                    overwrite=overwrite)  # fmt: skip
+        size = sum(memoryview(b).nbytes for b in buffers)
+        if token and buffers and size >= self.config.shared_memory_min_bytes:
+            spares = self._spares.setdefault(unit, [])
+            written = _write_shared(shm.chunk_segment(token, chunk), buffers, spares)
+            if written is not None:
+                msg = msgspec.structs.replace(msg, shared=written[0], reused=written[1])
+                buffers = []
         reply: Ok = await self._ask(msg, Ok, conn=conn, buffers=buffers)
         if msg.shared:
             self._spares[unit] = list(reply.spare)

@@ -325,6 +325,10 @@ class PutRows(_Msg, frozen=True, tag="put_rows"):
 
     put: PreparePut
     columns: list[ColumnRef]
+    # frames 1..n are in the client's segment tqs-<token>-d<n> (a unit on the same host): the unit
+    # takes the segment over by renaming it, and it becomes the chunk's memory
+    shared: list[Region] = []
+    reused: str = ""  # the spare segment the client claimed (renamed) for it
 
 
 class PutStored(_Msg, frozen=True, tag="put_stored"):
@@ -560,6 +564,7 @@ class FieldsPlan(_Msg, frozen=True, tag="fields_plan"):
 
 class MetaReply(_Msg, frozen=True, tag="meta"):
     meta: BatchMeta
+    spare: list[Spare] = []  # a storage unit's answer to a shared PutRows: segments to reuse
 
 
 class KeysReply(_Msg, frozen=True, tag="keys"):

@@ -8,6 +8,12 @@ bytes through segments instead of ZMQ frames, which then carry only the msgpack 
 * put: the client lays a chunk's buffers out in segment ``tqs-<token>-c<chunk>`` (one copy; a new
   segment or a claimed spare, below) and sends ``Store`` with the segment's regions; the unit maps
   the segment and keeps it as the chunk's memory until the chunk is dropped.
+* direct put (``PutRows``, whose chunk id the controller picks only at the commit): the client
+  writes ``tqs-<token>-d<random>``; the unit *takes* it by renaming it to a name of its own
+  (``-l<n>``, atomic) before mapping it, and renames that to the chunk's name once committed. A
+  client whose put failed unlinks its ``-d`` name: either the unit took the segment already (the
+  unlink finds nothing) or it will find nothing to take and refuse the put. A ``-d`` segment whose
+  client died before sending it is swept by the unit after ``ORPHAN_AGE``.
 * get: the unit answers a ``Fetch`` with regions of the chunk segments when the rows sit in order in
   one chunk (zero copy); gathered data above ``GATHER_SEGMENT_BYTES`` goes to a fresh segment
   ``tqs-<token>-g<n>`` (one copy) that the client unlinks once mapped, smaller data as frames.
@@ -35,12 +41,13 @@ import mmap
 import os
 import re
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from tqstream.errors import MalformedMessageError, TQStreamError
+from tqstream.errors import InvalidRequestError, MalformedMessageError, TQStreamError
 from tqstream.protocol.messages import Region, Spare
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "available",
     "chunk_segment",
     "claim",
+    "direct_segment",
     "process_key",
     "reachable",
     "remove_segments",
@@ -69,8 +77,12 @@ SPARE_BYTES = 1 << 30
 """At most this many recycled segments, of at most this many bytes in all, wait for reuse: a step
 that writes several chunks (a batch and the columns added to it) recycles several at its clear,
 and the batch's own must still be there when the next batch is put."""
-_NAME = re.compile(r"tqs-[0-9a-f]{16}-[cg][0-9]+")
+ORPHAN_AGE = 300.0
+"""Seconds after which a unit unlinks a direct put's segment that no ``PutRows`` came for (its
+client died between writing it and sending the put)."""
+_NAME = re.compile(r"tqs-[0-9a-f]{16}-[cgl][0-9]+")
 _NAME_SPARE = re.compile(r"tqs-[0-9a-f]{16}-p[0-9]+")
+_NAME_DIRECT = re.compile(r"tqs-[0-9a-f]{16}-d[0-9]+")
 
 
 def available() -> bool:
@@ -84,6 +96,11 @@ def _path(name: str) -> str:
 
 def chunk_segment(token: str, chunk: int) -> str:
     return f"tqs-{token}-c{chunk}"
+
+
+def direct_segment(token: str) -> str:
+    """A fresh name for a direct put's segment (``O_EXCL`` catches the unlikely clash)."""
+    return f"tqs-{token}-d{secrets.randbits(62)}"
 
 
 def unlink(name: str) -> None:
@@ -229,7 +246,9 @@ class UnitSegments:
         self._spans: dict[int, tuple[int, str]] = {}  # start -> (end, name)
         self._chunk_names: dict[int, tuple[str, int, int]] = {}  # chunk -> (name, start, size)
         self._spares: dict[str, tuple[int, bool]] = {}  # segment -> (size, free), oldest first
+        self._taken: dict[str, tuple[int, int]] = {}  # direct puts' segments -> (start, size)
         self._counter = 0
+        self._next_sweep = time.monotonic() + ORPHAN_AGE
 
     def adopt(self, chunk: int, regions: Sequence[Region]) -> list[memoryview]:
         """Map the chunk segment a client wrote; the returned views become the chunk's frames."""
@@ -245,16 +264,69 @@ class UnitSegments:
                 f"{sorted({r.name for r in regions})}",
                 chunk=chunk,
             )
+        views, mm = self._map_views(name, regions)
+        self._register(chunk, name, _address(mm), len(mm))
+        return views
+
+    def take(self, regions: Sequence[Region], reused: str) -> tuple[str, list[memoryview]]:
+        """Take over the segment a client wrote for a direct put (see the module docstring):
+        renamed to a name of ours, mapped; return that name and the views (the put's frames).
+        :meth:`landed` makes it the chunk's memory, :meth:`untake` gives it up."""
+        if reused:
+            self.claimed(reused)
+        names = sorted({r.name for r in regions})
+        if (
+            len(names) != 1
+            or not _NAME_DIRECT.fullmatch(names[0])
+            or not names[0].startswith(f"tqs-{self.token}-")
+        ):
+            raise MalformedMessageError(
+                f"a direct put names one segment tqs-{self.token}-d<n>, got {names}",
+                segments=names,
+            )
+        self._counter += 1
+        name = f"tqs-{self.token}-l{self._counter}"
+        try:
+            os.rename(_path(names[0]), _path(name))
+        except FileNotFoundError:
+            raise InvalidRequestError(
+                f"shared-memory segment {names[0]!r} of the put does not exist: its client gave "
+                f"up on the put (and removed it), or it was never written; put again",
+                segment=names[0],
+            ) from None
+        try:
+            views, mm = self._map_views(name, [Region(name, r.offset, r.nbytes) for r in regions])
+        except BaseException:
+            unlink(name)
+            raise
+        self._taken[name] = (_address(mm), len(mm))
+        return name, views
+
+    def landed(self, chunk: int, taken: str) -> None:
+        """The direct put whose segment :meth:`take` took was committed as ``chunk``."""
+        start, size = self._taken.pop(taken)
+        name = chunk_segment(self.token, chunk)
+        os.rename(_path(taken), _path(name))
+        self._register(chunk, name, start, size)
+
+    def untake(self, taken: str) -> None:
+        """The direct put whose segment :meth:`take` took stores nothing: recycle it."""
+        entry = self._taken.pop(taken, None)
+        if entry is not None and not self._recycle(taken, entry[1]):
+            unlink(taken)
+
+    def _map_views(self, name: str, regions: Sequence[Region]) -> tuple[list[memoryview], Any]:
         try:
             views = [self.reader.view(r) for r in regions]
         finally:
-            mm = self.reader.forget(name)  # a refused Store keeps no mapping
+            mm = self.reader.forget(name)  # a refused message keeps no mapping
         assert mm is not None
-        start = _address(mm)
-        self._spans[start] = (start + len(mm), name)
+        return views, mm
+
+    def _register(self, chunk: int, name: str, start: int, size: int) -> None:
+        self._spans[start] = (start + size, name)
         bisect.insort(self._bases, start)
-        self._chunk_names[chunk] = (name, start, len(mm))
-        return views
+        self._chunk_names[chunk] = (name, start, size)
 
     @property
     def spare_bytes(self) -> int:
@@ -301,12 +373,30 @@ class UnitSegments:
     def spares(self) -> list[Spare]:
         """The recycled segments nobody holds any more (readers may still map the others), minus
         those a client claimed since."""
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + ORPHAN_AGE
+            self.sweep_orphans()
         for name, (size, free) in list(self._spares.items()):
             if not os.path.exists(_path(name)):
                 del self._spares[name]
             elif not free and _exclusive(_path(name)):
                 self._spares[name] = (size, True)
         return [Spare(name, size) for name, (size, free) in self._spares.items() if free]
+
+    def sweep_orphans(self, age: float = ORPHAN_AGE) -> int:
+        """Unlink the direct puts' segments older than ``age`` seconds that nobody took (their
+        client died before sending the put); return how many."""
+        prefix, now, swept = f"tqs-{self.token}-d", time.time(), 0
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(SHM_DIR):
+                if not entry.name.startswith(prefix):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = entry.stat()
+                    if now - max(st.st_mtime, st.st_ctime) > age:
+                        unlink(entry.name)
+                        swept += 1
+        return swept
 
     def region(self, buffer: Any) -> Region | None:
         """Where ``buffer`` lies inside a chunk segment, or None."""

@@ -96,12 +96,17 @@ PUT_GRACE = 10.0
 class _Landing:
     """A stored put whose commit is in flight (see the module docstring)."""
 
-    __slots__ = ("answer", "cleared_before", "done", "drops", "put")
+    __slots__ = ("answer", "cleared_before", "done", "drops", "put", "segment")
 
     def __init__(
-        self, put: PreparePut, answer: asyncio.Future[StoredReply], done: asyncio.Future[None]
+        self,
+        put: PreparePut,
+        answer: asyncio.Future[StoredReply],
+        done: asyncio.Future[None],
+        segment: str = "",
     ) -> None:
         self.put = put
+        self.segment = segment  # the shared-memory segment holding the columns ("" for frames)
         self.answer = answer  # the controller's answer
         self.done = done  # set once the put is over (indexed, refused or failed)
         self.drops: set[int] = set()  # row ids whose drop order came before the rows
@@ -228,24 +233,36 @@ class StorageService:
 
     # --- stored puts ---
     def _put(self, msg: PutRows, frames: list[Any]) -> Awaitable[MetaReply]:
-        put = msg.put
-        columns = {ref.name: column_from_wire(ref, frames, put.n_rows) for ref in msg.columns}
-        schemas = {name: col.schema for name, col in columns.items()}
-        if schemas != put.schemas:
-            raise MalformedMessageError(
-                f"the put's schemas {_describe(put.schemas)} do not match its columns "
-                f"{_describe(schemas)}",
-                partition=put.partition,
-            )
+        put, segment = msg.put, ""
         if self._link is None or self.unit is None:
             raise InvalidRequestError(
                 "this storage unit is not registered with a controller, so it cannot take puts "
                 "directly; start it with a controller address"
             )
+        if msg.shared:
+            if self.segments is None:
+                raise InvalidRequestError(
+                    "this storage unit has no shared memory; send the tensors as frames"
+                )
+            segment, views = self.segments.take(msg.shared, msg.reused)
+            frames = [frames[0], *views]
+        try:
+            columns = {ref.name: column_from_wire(ref, frames, put.n_rows) for ref in msg.columns}
+            schemas = {name: col.schema for name, col in columns.items()}
+            if schemas != put.schemas:
+                raise MalformedMessageError(
+                    f"the put's schemas {_describe(put.schemas)} do not match its columns "
+                    f"{_describe(schemas)}",
+                    partition=put.partition,
+                )
+        except BaseException:
+            if segment:
+                self.segments.untake(segment)  # type: ignore[union-attr]
+            raise
         nbytes = sum(col.nbytes for col in columns.values())
         put = msgspec.structs.replace(put, rid=0, nbytes=nbytes)
         loop = asyncio.get_running_loop()
-        landing = _Landing(put, loop.create_future(), loop.create_future())
+        landing = _Landing(put, loop.create_future(), loop.create_future(), segment)
         self._landings.add(landing)
         if not self._outgoing:  # after this drain of the socket: one PutStored for its puts
             loop.call_soon(self._send_stored)
@@ -289,18 +306,29 @@ class StorageService:
                 x.answer.set_result(result)
 
     async def _land(self, rid: int, landing: _Landing, columns: dict[str, Column]) -> MetaReply:
-        partition = landing.put.partition
+        partition, segment = landing.put.partition, landing.segment
         try:
             reply = await landing.answer
             rows = reply.meta.row_ids
             self.checkpoints.landed(partition, reply.chunk, rows, columns)  # before its drops
             before = landing.cleared_before
             if before < 0 or (before and reply.chunk >= before):  # not cleared since the commit
-                self.store.add_chunk(partition, reply.chunk, rows, columns)
+                if segment:  # named as the chunk's before any fetch can answer with its regions
+                    self.segments.landed(reply.chunk, segment)  # type: ignore[union-attr]
+                    segment = ""
+                try:
+                    self.store.add_chunk(partition, reply.chunk, rows, columns)
+                except BaseException:
+                    self._released(reply.chunk, False)
+                    raise
                 if landing.drops:
                     self.store.drop_rows(partition, landing.drops.intersection(rows))
+            if landing.segment and self.segments is not None:
+                return MetaReply(rid=rid, meta=reply.meta, spare=self.segments.spares())
             return MetaReply(rid=rid, meta=reply.meta)
         finally:
+            if segment:  # nothing was stored: the segment goes back to the spares
+                self.segments.untake(segment)  # type: ignore[union-attr]
             self._landings.discard(landing)
             landing.done.set_result(None)
             self._release_dropped()
