@@ -125,8 +125,9 @@ def test_json_lines_follow_a_producer(cluster: tuple[ProcessCluster, tqstream.Cl
         assert proc.stdout is not None
         lines = [proc.stdout.readline()]  # the first sample, once the command is up
         producer.start()
-        deadline = time.monotonic() + 2.5
-        while time.monotonic() < deadline and (line := proc.stdout.readline()):
+        # six samples (3 s), or more time on a loaded machine, where a sample can come late
+        deadline = time.monotonic() + 20.0
+        while len(lines) < 6 and time.monotonic() < deadline and (line := proc.stdout.readline()):
             lines.append(line)
         proc.send_signal(signal.SIGINT)
         rest, err = proc.communicate(timeout=30)
@@ -144,7 +145,8 @@ def test_json_lines_follow_a_producer(cluster: tuple[ProcessCluster, tqstream.Cl
     produced = [s["partitions"].get("status-stream", {}).get("produced", 0) for s in snaps]
     assert produced == sorted(produced) and produced[-1] > produced[0]
     puts = [s["rates"]["partitions"]["status-stream"]["put_rows_per_s"] for s in snaps[2:-1]]
-    assert puts and all(0 < r < 200 for r in puts), puts
+    # about 40 rows/s; an interval with no put at all only when the machine starved the producer
+    assert puts and all(0 <= r < 200 for r in puts) and max(puts) > 0, puts
 
 
 def _tmux(sock: Path, *args: str) -> str:

@@ -254,8 +254,8 @@ def positions(p_len: torch.Tensor, r_len: torch.Tensor, p_width: int, r_width: i
     rows of these lengths (``compute_position_id_with_mask``: the mask's running sum less one,
     at least 0): 0 over the left padding, then 0, 1, ... over the real tokens, which are one run,
     then the last position again over the right padding."""
-    p, total = p_len.numpy()[:, None], (p_len + r_len).numpy()[:, None]
-    out = np.arange(p_width + r_width)[None, :] - (p_width - p)
-    np.maximum(out, 0, out=out)  # in place, and without np.clip's per-call overhead
-    np.minimum(out, np.maximum(total - 1, 0), out=out)
-    return out
+    p, r = p_len.to(torch.int64), r_len.to(torch.int64)
+    out = torch.arange(p_width + r_width).unsqueeze(0) - (p_width - p).unsqueeze(1)
+    out.clamp_(min=0)  # in place: torch's kernels take half numpy's time on this [B, P + R]
+    torch.minimum(out, (p + r - 1).clamp_(min=0).unsqueeze(1), out=out)
+    return out.numpy()
