@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tqstream.controller.partition import Partition
 from tqstream.controller.records import (
     COMPACT_MIN,
+    AdmissionTable,
     DeadlineKind,
     Effects,
     LeaseTable,
@@ -74,7 +75,7 @@ class Deadlines:
     puts: PutBook
     leases: LeaseTable
     parked: dict[str, dict[Any, Parked]]
-    waiting_acquires: dict[Any, tuple[Acquire, float]]
+    admissions: AdmissionTable
     now: float
     deadlines: DeadlineHeap
 
@@ -98,7 +99,7 @@ class Deadlines:
             lease = self.leases.get(ref)
             return lease is not None and lease.deadline == deadline
         if kind == "acquire":
-            return ref in self.waiting_acquires
+            return self.admissions.parked(ref) is not None
         if kind == "putwait":
             return self.puts.parked(ref) is not None
         if kind == "put":
@@ -123,9 +124,11 @@ class Deadlines:
                     self.leases.end(lease, "expired")
                     touched.add(lease.partition)
             elif kind == "acquire":
-                waited = self.waiting_acquires.pop(ref, None)
+                waited = self.admissions.unpark(ref)
                 if waited is not None:
-                    effects.failed.append((ref, self._acquire_timeout(waited[0], now - waited[1])))
+                    effects.failed.append(
+                        (ref, self._acquire_timeout(waited.req, now - waited.since))
+                    )
             elif kind == "putwait":
                 put_wait = self.puts.unpark(ref)
                 if put_wait is not None:

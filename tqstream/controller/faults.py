@@ -20,11 +20,11 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from tqstream.controller.admission import Admission
 from tqstream.controller.budget import Budgets
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import (
+    AdmissionTable,
     Effects,
     LeaseTable,
     Parked,
@@ -32,7 +32,6 @@ from tqstream.controller.records import (
     PutBook,
 )
 from tqstream.controller.units import UnitTable
-from tqstream.protocol.messages import Acquire
 
 
 class Faults:
@@ -41,10 +40,8 @@ class Faults:
     puts: PutBook
     leases: LeaseTable
     parked: dict[str, dict[Any, Parked]]
-    waiting_acquires: dict[Any, tuple[Acquire, float]]
-    admissions: dict[str, tuple[Admission, str, dict[str, int]]]
+    admissions: AdmissionTable
     budgets: Budgets
-    slot_owners: dict[str, dict[int, Any]]
     outbox: Effects
     _ids: itertools.count[int]
 
@@ -102,19 +99,15 @@ class Faults:
         self._serve_parked_puts()
 
     # --- peers ---
-    def own_slots(self, name: str, slot_ids: list[int], handle: Any) -> None:
-        peer = peer_of(handle)
-        if peer is not None and slot_ids:
-            self.slot_owners.setdefault(name, {}).update(dict.fromkeys(slot_ids, peer))
-
     def drop_peer(self, peer: Any, now: float) -> Effects:
         """The connection ``peer`` dropped: give back everything it held (module docstring)."""
         effects = Effects()
         for waiting in self.parked.values():
             for handle in [h for h in waiting if peer_of(h) == peer]:
                 del waiting[handle]
-        for handle in [h for h in self.waiting_acquires if peer_of(h) == peer]:
-            del self.waiting_acquires[handle]
+        for handle, _ in self.admissions.waiting():
+            if peer_of(handle) == peer:
+                self.admissions.unpark(handle)
         for handle, _ in self.puts.waiting():
             if peer_of(handle) == peer:
                 self.puts.unpark(handle)
@@ -128,12 +121,9 @@ class Faults:
                 p.release(lease.task, sorted(lease.rows))
                 touched.add(p.name)
             self.leases.end(lease, "disconnected")
-        for name, owners in self.slot_owners.items():
-            mine = [s for s, o in owners.items() if o == peer]
-            for s in mine:
-                del owners[s]
-            if mine and name in self.admissions:
-                self.admissions[name][0].release(mine, "rejected")
+        for name, mine in self.admissions.take_peer(peer).items():
+            if name in self.admissions:
+                self.admissions[name].admission.release(mine, "rejected")
                 self._wake_acquires(name)
         self.budgets.drop_peer(peer)
         for name in touched:

@@ -19,7 +19,14 @@ from tqstream.controller.admission import (
 from tqstream.controller.budget import Budgets
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import DeadlineKind, Effects, PutBook
+from tqstream.controller.records import (
+    AdmissionRecord,
+    AdmissionTable,
+    DeadlineKind,
+    Effects,
+    PutBook,
+    WaitingAcquire,
+)
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     AdmissionError,
@@ -39,19 +46,16 @@ from tqstream.protocol.messages import (
 
 
 class FlowControl:
-    admissions: dict[str, tuple[Admission, str, dict[str, int]]]
+    admissions: AdmissionTable
     budgets: Budgets
-    waiting_acquires: dict[Any, tuple[Acquire, float]]
     puts: PutBook
     units: UnitTable
-    slot_owners: dict[str, dict[int, Any]]
     outbox: Effects
     now: float
 
     if TYPE_CHECKING:
 
         def _at(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
-        def own_slots(self, name: str, slot_ids: list[int], handle: Any) -> None: ...
 
         def prepare_put(
             self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
@@ -112,43 +116,34 @@ class FlowControl:
             )
         existing = self.admissions.get(name)
         if existing is not None:
-            if (existing[1], existing[2]) != (style, config):
+            if (existing.style, existing.config) != (style, config):
                 raise AdmissionError(
-                    f"admission {name!r} already exists as {existing[1]} {existing[2]}; it cannot "
-                    f"be re-created as {style} {config} (use another name)",
+                    f"admission {name!r} already exists as {existing.style} {existing.config}; it "
+                    f"cannot be re-created as {style} {config} (use another name)",
                     name=name,
                 )
             return
-        self.admissions[name] = (make_admission(style, **config), style, dict(config))
-
-    def _admission(self, name: str) -> Admission:
-        entry = self.admissions.get(name)
-        if entry is None:
-            raise AdmissionError(
-                f"admission {name!r} does not exist; create it first with "
-                f"client.admission(style, name={name!r}, ...)",
-                name=name,
-            )
-        return entry[0]
+        record = AdmissionRecord(make_admission(style, **config), style, dict(config))
+        self.admissions.install(name, record)
 
     def acquire(self, req: Acquire, now: float, handle: Any = None) -> list[int] | None:
         """Up to ``req.n`` slots; None when none can be granted yet and the caller waits."""
-        adm = self._admission(req.name)
+        adm = self.admissions.admission(req.name)
         if req.n < 1:
             raise InvalidRequestError(f"acquire needs n >= 1, got {req.n}")
         if req.force:
             if not isinstance(adm, CapacityAdmission):
                 raise AdmissionError("force= (on_rollout_submitted) is for capacity admission")
             granted = [adm.on_rollout_submitted()]
-            self.own_slots(req.name, granted, handle)
+            self.admissions.own(req.name, granted, peer_of(handle))
             return granted
         granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
-        self.own_slots(req.name, granted, handle)
+        self.admissions.own(req.name, granted, peer_of(handle))
         if granted or not req.wait or handle is None:
             return granted
         if req.timeout == 0:
             raise self._acquire_timeout(req, 0.0)
-        self.waiting_acquires[handle] = (req, now)
+        self.admissions.park(handle, WaitingAcquire(req, now))
         if req.timeout is not None:
             self._at(now + req.timeout, "acquire", handle)
         return None
@@ -161,7 +156,7 @@ class FlowControl:
         return req.version if req.version < 0 else max(req.version, adm.version)
 
     def _acquire_timeout(self, req: Acquire, waited: float) -> RequestTimeoutError:
-        state = self._admission(req.name).state()
+        state = self.admissions.admission(req.name).state()
         return RequestTimeoutError(
             f"no admission slot of {req.name!r} ({state['style']}) was free within {waited:.1f}s "
             f"for version {req.version}: {state}; the trainer must consume and publish a new "
@@ -170,39 +165,34 @@ class FlowControl:
         )
 
     def _wake_acquires(self, name: str) -> None:
-        for handle, (req, _) in list(self.waiting_acquires.items()):
-            if req.name != name:
-                continue
-            adm = self._admission(name)
+        adm = self.admissions.admission(name)
+        for handle, (req, _) in self.admissions.waiting(name):
             granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
             if granted:
-                del self.waiting_acquires[handle]
-                self.own_slots(name, granted, handle)
+                self.admissions.unpark(handle)
+                self.admissions.own(name, granted, peer_of(handle))
                 self.outbox.replies.append((handle, Slots(rid=0, slot_ids=granted)))
 
     def release_slots(self, name: str, slot_ids: list[int], outcome: str) -> None:
-        self._admission(name).release(slot_ids, outcome)
-        owners = self.slot_owners.get(name)
-        if owners:
-            for s in slot_ids:
-                owners.pop(s, None)
+        self.admissions.admission(name).release(slot_ids, outcome)
+        self.admissions.disown(name, slot_ids)
         self._wake_acquires(name)
 
     def admission_version(
         self, name: str, version: int, recovered: bool, reset: bool = False
     ) -> None:
-        adm = self._admission(name)
+        adm = self.admissions.admission(name)
         if reset:
             if not isinstance(adm, SlotAdmission):
                 raise AdmissionError(
                     f"reset_staleness is for slots admission; {name!r} is "
-                    f"{self.admissions[name][1]}: call on_version(v) after each weight sync",
+                    f"{self.admissions[name].style}: call on_version(v) after each weight sync",
                     name=name,
                 )
             adm.reset_staleness()
         elif recovered:
             adm.on_version_recovered(version)  # voids every running slot
-            self.slot_owners.pop(name, None)
+            self.admissions.void(name)
         else:
             adm.on_version(version)
         self._wake_acquires(name)
@@ -210,7 +200,7 @@ class FlowControl:
     def admission_info(
         self, name: str, version: int | None, enqueued: int
     ) -> tuple[dict[str, int | float | str], int | None]:
-        adm = self._admission(name)
+        adm = self.admissions.admission(name)
         capacity = None
         if isinstance(adm, CapacityAdmission):
             for _ in range(enqueued):
@@ -224,7 +214,7 @@ class FlowControl:
         with ``capacity`` at ``req.version`` when asked."""
         if req.name in self.admissions:
             raise AdmissionError(
-                f"{req.name!r} is a {self.admissions[req.name][1]} admission, not a "
+                f"{req.name!r} is a {self.admissions[req.name].style} admission, not a "
                 f"StalenessManager budget; give the manager another name",
                 name=req.name,
             )
@@ -248,12 +238,11 @@ class FlowControl:
         if not dropped or not name:
             return
         entry = self.admissions.get(name)
-        if entry is not None and isinstance(entry[0], CapacityAdmission):
-            entry[0].on_dropped(dropped)
+        if entry is not None and isinstance(entry.admission, CapacityAdmission):
+            entry.admission.on_dropped(dropped)
             self._wake_acquires(name)
         elif name in self.budgets:
             self.budgets.by_name[name].on_dropped(dropped)
 
     def admission_stats(self) -> dict[str, dict[str, int | float | str]]:
-        states = {name: entry[0].state() for name, entry in self.admissions.items()}
-        return dict(sorted({**states, **self.budgets.states()}.items()))
+        return dict(sorted({**self.admissions.states(), **self.budgets.states()}.items()))

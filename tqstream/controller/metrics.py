@@ -88,12 +88,12 @@ class Sample:
         self.latency = {op: (list(h.counts), h.sum) for op, h in metrics.latency.items()}
         self.errors = dict(metrics.errors)
         self.parked_puts: dict[str, int] = {}
-        for _, waiting in state.puts.waiting():
-            name = waiting.req.partition
-            self.parked_puts[name] = self.parked_puts.get(name, 0) + 1
+        for _, put in state.puts.waiting():
+            self.parked_puts[put.req.partition] = self.parked_puts.get(put.req.partition, 0) + 1
         self.parked_acquires: dict[str, int] = {}
-        for acquire, _ in state.waiting_acquires.values():
-            self.parked_acquires[acquire.name] = self.parked_acquires.get(acquire.name, 0) + 1
+        for _, acquire in state.admissions.waiting():
+            name = acquire.req.name
+            self.parked_acquires[name] = self.parked_acquires.get(name, 0) + 1
         self.sessions = server.sessions
         self.drop_failures = drop_failures
 

@@ -26,7 +26,7 @@ import msgspec
 
 from tqstream.controller.admission import Admission, make_admission
 from tqstream.controller.partition import Group, Partition, Row, TaskState
-from tqstream.controller.records import Effects
+from tqstream.controller.records import AdmissionRecord, Effects
 from tqstream.controller.state import ControllerState
 from tqstream.errors import AdmissionError, CheckpointCorruptError, CheckpointError
 from tqstream.types import FieldSchema
@@ -340,7 +340,7 @@ def check_admissions(state: ControllerState, snap: ControllerSnapshot, where: st
     opening, e.g. the path)."""
     for entry in snap.admissions:
         existing = state.admissions.get(entry.name)
-        if existing is not None and existing[0].state()["granted"]:
+        if existing is not None and existing.admission.state()["granted"]:
             raise CheckpointError(
                 f"{where}admission {entry.name!r} of the checkpoint exists in this cluster and "
                 f"has granted slots; load the checkpoint before producers acquire any",
@@ -421,7 +421,7 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
         for t in ttls:
             state._at(now + t.left, "ttl", (p, list(t.rows)))
     for entry, adm in zip(ready.snap.admissions, ready.admissions, strict=True):
-        state.admissions[entry.name] = (adm, entry.style, dict(entry.config))
+        state.admissions.install(entry.name, AdmissionRecord(adm, entry.style, dict(entry.config)))
     for name, first in ready.snap.next_rows.items():
         state._next_rows[name] = max(state._next_rows.get(name, 0), first)
     reserve_ids(state, ready.snap.next_id)

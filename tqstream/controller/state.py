@@ -20,9 +20,6 @@ from typing import Any
 
 import msgspec
 
-from tqstream.controller.admission import (
-    Admission,
-)
 from tqstream.controller.budget import Budgets
 from tqstream.controller.deadlines import DeadlineHeap, Deadlines
 from tqstream.controller.faults import Faults
@@ -31,6 +28,7 @@ from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
 from tqstream.controller.puts import Puts
 from tqstream.controller.records import (
+    AdmissionTable,
     Effects,
     Lease,
     LeaseTable,
@@ -55,7 +53,6 @@ from tqstream.errors import (
     UnknownRowError,
 )
 from tqstream.protocol.messages import (
-    Acquire,
     GetMeta,
 )
 from tqstream.types import BatchMeta, PartitionStats, RowListing
@@ -77,14 +74,12 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.partitions: dict[str, Partition] = {}
         self.units = UnitTable()
         self.now = 0.0  # the latest time seen: a put woken by freed bytes is planned at it
-        self.admissions: dict[str, tuple[Admission, str, dict[str, int]]] = {}
-        self.waiting_acquires: dict[Any, tuple[Acquire, float]] = {}  # handle -> (req, since)
+        self.admissions = AdmissionTable()
         self.budgets = Budgets()  # StalenessManagers' pooled budgets
         self.puts = PutBook()
         self.leases = LeaseTable()
         self.parked: dict[str, dict[Any, Parked]] = {}
         self.deadlines = DeadlineHeap(self._live)
-        self.slot_owners: dict[str, dict[int, Any]] = {}  # admission -> slot id -> peer
         self._ids = itertools.count(1)
         self.outbox = Effects()  # effects of calls that return something else; see take_effects
         self._next_rows: dict[str, int] = {}  # first row id of a re-created partition
