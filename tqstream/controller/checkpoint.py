@@ -217,9 +217,9 @@ class Checkpoints:
             # The saved chunks take ids of this cluster's, never issued before (so no tombstone or
             # reset of a unit refuses them): saved id + base, all below the fence; every later
             # put's are above it.
-            base = next(s._ids)
+            base = next(s.ids)
             snapshot.reserve_ids(s, base + snap.next_id)
-            fence = next(s._ids)
+            fence = next(s.ids)
             orders: dict[int, list[str]] = {}
             for f, pair in zip(snap.files, where, strict=True):
                 for unit in pair:

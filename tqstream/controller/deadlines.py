@@ -90,7 +90,7 @@ class Deadlines:
         def _acquire_timeout(self, req: Acquire, waited: float) -> Any: ...
         def _capacity_error(self, req: PreparePut, waited: float) -> Any: ...
 
-    def _at(self, deadline: float, kind: DeadlineKind, ref: Any) -> None:
+    def schedule(self, deadline: float, kind: DeadlineKind, ref: Any) -> None:
         self.deadlines.add(deadline, kind, ref)
 
     def _live(self, deadline: float, kind: DeadlineKind, ref: Any) -> bool:

@@ -43,7 +43,7 @@ class Faults:
     admissions: AdmissionTable
     budgets: Budgets
     outbox: Effects
-    _ids: itertools.count[int]
+    ids: itertools.count[int]
 
     if TYPE_CHECKING:
 
@@ -95,7 +95,7 @@ class Faults:
         if self.units.alive[u]:
             return
         self.units.revive(u)
-        self.outbox.reset_units.append((u, next(self._ids)))
+        self.outbox.reset_units.append((u, next(self.ids)))
         self._serve_parked_puts()
 
     # --- peers ---

@@ -55,7 +55,7 @@ class FlowControl:
 
     if TYPE_CHECKING:
 
-        def _at(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
+        def schedule(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
 
         def prepare_put(
             self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
@@ -145,7 +145,7 @@ class FlowControl:
             raise self._acquire_timeout(req, 0.0)
         self.admissions.park(handle, WaitingAcquire(req, now))
         if req.timeout is not None:
-            self._at(now + req.timeout, "acquire", handle)
+            self.schedule(now + req.timeout, "acquire", handle)
         return None
 
     @staticmethod

@@ -311,7 +311,7 @@ class Partition:
             r.ready_seq = seq
             if mask:  # a row created without fields gets its first write later
                 r.writes.append((mask, seq))
-        self._count(mask, len(rows))
+        self.count_written(mask, len(rows))
         for (_, vmask), v in self.views.items():
             if mask & vmask == vmask:
                 v.add_new({r.id: r.ready_seq for r in rows})
@@ -330,7 +330,7 @@ class Partition:
             self._write(r, mask)
         for bits, n in added.items():
             if bits:
-                self._count(bits, n)
+                self.count_written(bits, n)
 
     def _write(self, r: Row, mask: int) -> None:
         """Fields of ``mask`` written (or, overwritten, written again) for committed row ``r``;
@@ -341,14 +341,14 @@ class Partition:
         r.ready_seq = self.seq
         r.writes.append((mask, self.seq))
         for (task, vmask), v in self.views.items():
-            if (old & vmask) != vmask and (new & vmask) == vmask and self._available(r, task):
+            if (old & vmask) != vmask and (new & vmask) == vmask and self.available(r, task):
                 v.add(r.id, r.ready_seq)
         for (task, vmask), gv in self.group_views.items():
-            if (old & vmask) != vmask and (new & vmask) == vmask and self._available(r, task):
+            if (old & vmask) != vmask and (new & vmask) == vmask and self.available(r, task):
                 key, size = self._group_of(r)
                 gv.add(key, size, r.ready_seq)
 
-    def _count(self, mask: int, n: int) -> None:
+    def count_written(self, mask: int, n: int) -> None:
         """``n`` more (fewer, when negative) committed rows have the fields of ``mask``."""
         for name, bit in self.bits.items():
             if mask & bit:
@@ -356,7 +356,8 @@ class Partition:
                 if n > 0:
                     self.provisional.discard(name)
 
-    def _available(self, r: Row, task: str) -> bool:
+    def available(self, r: Row, task: str) -> bool:
+        """Whether ``task`` may still be served row ``r`` (neither leased nor acked by it)."""
         t = self.tasks.get(task)
         return t is None or (r.id not in t.leased and r.id not in t.acked)
 
@@ -389,10 +390,10 @@ class Partition:
                 written[r.written] = written.get(r.written, 0) + 1
         for mask, n in written.items():
             self.committed -= n
-            self._count(mask, -n)
+            self.count_written(mask, -n)
         for (task, vmask), gv in self.group_views.items():
             for r in removed:
-                if r.committed and (r.written & vmask) == vmask and self._available(r, task):
+                if r.committed and (r.written & vmask) == vmask and self.available(r, task):
                     key, size = self._group_of(r)
                     gv.remove(key, size)
         ids = [r.id for r in removed]
@@ -487,7 +488,7 @@ class Partition:
         rows = [
             r
             for r in self.rows.values()
-            if r.committed and (r.written & mask) == mask and self._available(r, task)
+            if r.committed and (r.written & mask) == mask and self.available(r, task)
         ]
         rows.sort(key=lambda r: self._ready_seq(r, mask))
         return rows
@@ -630,7 +631,7 @@ class Partition:
     ) -> str:
         """Why a request for ``batch_size`` rows cannot be served (a scan: error path only)."""
         t = self.tasks.get(task) or TaskState()
-        avail = [r for r in self.rows.values() if r.committed and self._available(r, task)]
+        avail = [r for r in self.rows.values() if r.committed and self.available(r, task)]
         missing: dict[str, int] = {}
         ready = 0
         for r in avail:

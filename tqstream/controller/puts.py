@@ -50,11 +50,11 @@ class Puts:
     max_rows: int
     now: float
     outbox: Effects
-    _ids: itertools.count[int]
+    ids: itertools.count[int]
 
     if TYPE_CHECKING:
 
-        def _at(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
+        def schedule(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
         def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError: ...
         def partition(self, name: str) -> Partition: ...
         def _serve_parked_puts(self) -> None: ...
@@ -121,7 +121,7 @@ class Puts:
                 raise self._capacity_error(req, 0.0)
             self.puts.park(handle, WaitingPut(req, now if since is None else since, pinned))
             if req.timeout is not None and since is None:
-                self._at(now + req.timeout, "putwait", handle)
+                self.schedule(now + req.timeout, "putwait", handle)
             return None
         created = req.partition not in self.partitions
         if not created and self.partitions[req.partition].closed:
@@ -160,7 +160,7 @@ class Puts:
         per_row = req.nbytes // req.n_rows
         segments = []
         for unit, replica, start, stop in runs:
-            chunk = next(self._ids)
+            chunk = next(self.ids)
             segments.append(
                 PlanSegment(unit=unit, chunk=chunk, start=start, stop=stop, replica=replica)
             )
@@ -237,7 +237,7 @@ class Puts:
         per_row = req.nbytes // len(rows)
         segments, positions = [], []
         for (unit, replica), pos in sorted(by_unit.items()):
-            chunk = next(self._ids)
+            chunk = next(self.ids)
             segments.append(
                 PlanSegment(unit=unit, chunk=chunk, start=0, stop=len(pos), replica=replica)
             )
@@ -356,7 +356,7 @@ class Puts:
         timed: bool = True,
     ) -> PendingPut:
         put = PendingPut(
-            next(self._ids),
+            next(self.ids),
             partition,
             rows,
             mask,
@@ -368,7 +368,7 @@ class Puts:
         )
         self.puts.open(put)
         if timed:
-            self._at(now + self.put_timeout, "put", put.put_id)
+            self.schedule(now + self.put_timeout, "put", put.put_id)
         return put
 
     def commit(self, put_id: int, now: float) -> tuple[BatchMeta | None, Effects]:
@@ -386,7 +386,7 @@ class Puts:
             p.produced += len(put.rows)
             p.rejected += put.rejected
             if p.ttl is not None:
-                self._at(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
+                self.schedule(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
         else:
             unit_rows = effects.drop_rows
             for r in put.rows:  # cleared while in flight: the unit drops what it stored
@@ -414,7 +414,7 @@ class Puts:
                 p.commit_rows(fresh, put.mask)
                 p.produced += len(fresh)
                 if p.ttl is not None:
-                    self._at(now + p.ttl, "ttl", (p, [r.id for r in fresh]))
+                    self.schedule(now + p.ttl, "ttl", (p, [r.id for r in fresh]))
         self._serve_parked(put.partition, effects, now)
         if put.new_rows:
             return self._meta(p, put.rows, put.fields), effects

@@ -167,7 +167,7 @@ def _mask_in(mask: Mask) -> int:
 
 def take(state: ControllerState, now: float) -> Taken:
     """Snapshot ``state`` (see the module docstring); run it within one step of the loop."""
-    before = next(state._ids)
+    before = next(state.ids)
     extra: dict[tuple[str, int], int] = {}  # bytes of put_fields in flight, not in the snapshot
     skip: dict[int, list[int]] = {}
     for put in state.puts.values():
@@ -202,7 +202,7 @@ def take(state: ControllerState, now: float) -> Taken:
         units=len(state.units),
         partitions=parts,
         admissions=admissions,
-        next_rows=dict(state._next_rows),
+        next_rows=dict(state.next_rows),
     )
     return Taken(snapshot, by_unit, before, skip)
 
@@ -313,7 +313,7 @@ def placement(state: ControllerState, snap: ControllerSnapshot) -> Placement:
 
 def reserve_ids(state: ControllerState, next_id: int) -> None:
     """Move the id counter past every id of a checkpoint before anything of it is loaded."""
-    state._ids = itertools.count(max(next(state._ids), next_id))
+    state.ids = itertools.count(max(next(state.ids), next_id))
 
 
 class Prepared:
@@ -419,11 +419,11 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
             if r.replica >= 0:
                 state.units.bytes[r.replica] += r.nbytes
         for t in ttls:
-            state._at(now + t.left, "ttl", (p, list(t.rows)))
+            state.schedule(now + t.left, "ttl", (p, list(t.rows)))
     for entry, adm in zip(ready.snap.admissions, ready.admissions, strict=True):
         state.admissions.install(entry.name, AdmissionRecord(adm, entry.style, dict(entry.config)))
     for name, first in ready.snap.next_rows.items():
-        state._next_rows[name] = max(state._next_rows.get(name, 0), first)
+        state.next_rows[name] = max(state.next_rows.get(name, 0), first)
     reserve_ids(state, ready.snap.next_id)
     return effects
 
@@ -475,7 +475,7 @@ def _build(
         r.committed, r.ready_seq = True, t.ready_seq[i]
         p.rows[rid] = r
         p.keys[r.key] = rid
-        p._count(r.written, 1)
+        p.count_written(r.written, 1)
     p.committed = n
     for g in e.groups:
         if not 0 < len(g.members) <= g.size or not all(m in p.rows for m in g.members):

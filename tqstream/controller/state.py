@@ -80,9 +80,9 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.leases = LeaseTable()
         self.parked: dict[str, dict[Any, Parked]] = {}
         self.deadlines = DeadlineHeap(self._live)
-        self._ids = itertools.count(1)
+        self.ids = itertools.count(1)  # put, lease, chunk and partition-incarnation ids
         self.outbox = Effects()  # effects of calls that return something else; see take_effects
-        self._next_rows: dict[str, int] = {}  # first row id of a re-created partition
+        self.next_rows: dict[str, int] = {}  # first row id of a re-created partition
 
     def take_effects(self) -> Effects:
         """Effects accumulated by calls since the last take (evictions, frees)."""
@@ -138,8 +138,8 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         p = self.partitions.get(name)
         if p is None:
             p = self.partitions[name] = Partition(name, f"{secrets.token_hex(4)}-")
-            p.next_row = self._next_rows.get(name, 0)
-            p.born = next(self._ids)  # leases with smaller ids belong to an earlier incarnation
+            p.next_row = self.next_rows.get(name, 0)
+            p.born = next(self.ids)  # leases with smaller ids belong to an earlier incarnation
         p.declare(fields)
         if tasks is not None:
             p.registered = list(dict.fromkeys(tasks))
@@ -191,7 +191,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             raise self._timeout_error(p, req)
         self.parked.setdefault(req.partition, {})[handle] = parked
         if req.timeout is not None:
-            self._at(now + req.timeout, "park", parked)
+            self.schedule(now + req.timeout, "park", parked)
         return None
 
     def _try_serve(
@@ -227,7 +227,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         dropped = parked.dropped = parked.dropped + dropped
         if rows is None:
             return None
-        lease_id = next(self._ids)
+        lease_id = next(self.ids)
         p.lease(req.task, rows, lease_id)
         lease = Lease(
             lease_id,
@@ -240,7 +240,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             peer_of(parked.handle),
         )
         self.leases.grant(lease)
-        self._at(lease.deadline, "lease", lease_id)
+        self.schedule(lease.deadline, "lease", lease_id)
         meta = self._meta(p, [p.rows[r] for r in rows], req.fields, req.task, lease_id)
         if req.measure == "token":  # the client masks the tokens outside (fresh_mask)
             bounds = [] if req.max_staleness is None else [req.current_version, req.max_staleness]
@@ -275,7 +275,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
                 for r in p.rows.values()
                 if r.committed
                 and (r.written & mask) == mask
-                and p._available(r, req.task)
+                and p.available(r, req.task)
                 and (v := version_of(r, req.measure)) is not None
                 and v < oldest
             )
@@ -398,7 +398,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         p.commit_rows(created, 0)
         p.produced += len(created)
         if created and p.ttl is not None:
-            self._at(self.now + p.ttl, "ttl", (p, [r.id for r in created]))
+            self.schedule(self.now + p.ttl, "ttl", (p, [r.id for r in created]))
         fresh = iter(created)
         rows = [next(fresh) if r is None else r for r in old]
         if tags is not None:
@@ -580,8 +580,8 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             self._charge(r, -r.nbytes)
         # A put to a re-created partition of this name can reach a unit before this order: scope
         # the drop to older chunks, and never reuse row ids under the name (see create_partition).
-        effects.drop_partitions.append((partition, next(self._ids)))
-        self._next_rows[partition] = p.next_row
+        effects.drop_partitions.append((partition, next(self.ids)))
+        self.next_rows[partition] = p.next_row
         for put in self.puts.where(partition=partition):
             put.cancelled = True  # commit or deadline still drops its chunks
         for lease in self.leases.where(partition=partition):
