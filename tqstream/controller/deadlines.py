@@ -23,6 +23,7 @@ from tqstream.controller.records import (
     Effects,
     LeaseTable,
     Parked,
+    ParkedGets,
     PendingPut,
     PutBook,
 )
@@ -74,7 +75,7 @@ class Deadlines:
     partitions: dict[str, Partition]
     puts: PutBook
     leases: LeaseTable
-    parked: dict[str, dict[Any, Parked]]
+    parked: ParkedGets
     admissions: AdmissionTable
     now: float
     deadlines: DeadlineHeap
@@ -106,7 +107,7 @@ class Deadlines:
             return ref in self.puts
         if kind == "ttl":
             return self.partitions.get(ref[0].name) is ref[0]
-        return self.parked.get(ref.req.partition, {}).get(ref.handle) is ref
+        return self.parked.holds(ref)
 
     def next_deadline(self) -> float | None:
         return self.deadlines.next()
@@ -148,9 +149,7 @@ class Deadlines:
                 if parked.req.partition in touched:  # rows given back before this timeout
                     touched.discard(parked.req.partition)
                     self._serve_parked(parked.req.partition, effects, now)
-                waiting = self.parked.get(parked.req.partition, {})
-                if waiting.get(parked.handle) is parked:
-                    del waiting[parked.handle]
+                if self.parked.unpark(parked):
                     p = self.partitions[parked.req.partition]
                     effects.failed.append((parked.handle, self._timeout_error(p, parked.req)))
         for name in touched:

@@ -27,7 +27,7 @@ from tqstream.controller.records import (
     AdmissionTable,
     Effects,
     LeaseTable,
-    Parked,
+    ParkedGets,
     PendingPut,
     PutBook,
 )
@@ -39,7 +39,7 @@ class Faults:
     units: UnitTable
     puts: PutBook
     leases: LeaseTable
-    parked: dict[str, dict[Any, Parked]]
+    parked: ParkedGets
     admissions: AdmissionTable
     budgets: Budgets
     outbox: Effects
@@ -102,9 +102,7 @@ class Faults:
     def drop_peer(self, peer: Any, now: float) -> Effects:
         """The connection ``peer`` dropped: give back everything it held (module docstring)."""
         effects = Effects()
-        for waiting in self.parked.values():
-            for handle in [h for h in waiting if peer_of(h) == peer]:
-                del waiting[handle]
+        self.parked.drop_peer(peer)
         for handle, _ in self.admissions.waiting():
             if peer_of(handle) == peer:
                 self.admissions.unpark(handle)

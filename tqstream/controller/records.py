@@ -12,6 +12,7 @@ import numpy as np
 
 from tqstream.controller.admission import Admission
 from tqstream.controller.partition import Row
+from tqstream.controller.peers import peer_of
 from tqstream.errors import AdmissionError, InvalidRequestError, TQStreamError
 from tqstream.protocol.messages import Acquire, GetMeta, PreparePut
 from tqstream.types import BatchMeta, Measure
@@ -336,6 +337,52 @@ class Parked:
     req: GetMeta
     mask: int
     dropped: int = 0  # rows evicted as stale by its tries so far (reported when served)
+
+
+class ParkedGets:
+    """The gets waiting for rows, by partition, in arrival order. A get is parked once and leaves
+    once: served, failed, timed out, cancelled, or with its partition or its peer."""
+
+    def __init__(self) -> None:
+        self._by_partition: dict[str, dict[Any, Parked]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(waiting) for waiting in self._by_partition.values())
+
+    def park(self, parked: Parked) -> None:
+        self._by_partition.setdefault(parked.req.partition, {})[parked.handle] = parked
+
+    def of(self, partition: str) -> list[Parked]:
+        """The gets parked on ``partition``, in arrival order (a copy)."""
+        return list(self._by_partition.get(partition, {}).values())
+
+    def count(self, partition: str) -> int:
+        return len(self._by_partition.get(partition, {}))
+
+    def holds(self, parked: Parked) -> bool:
+        return self._by_partition.get(parked.req.partition, {}).get(parked.handle) is parked
+
+    def unpark(self, parked: Parked) -> bool:
+        """Take ``parked`` out; False when it had left already."""
+        if not self.holds(parked):
+            return False
+        del self._by_partition[parked.req.partition][parked.handle]
+        return True
+
+    def drop_partition(self, partition: str) -> list[Parked]:
+        """Take out and return every get parked on ``partition``."""
+        return list(self._by_partition.pop(partition, {}).values())
+
+    def cancel(self, handle: Any) -> None:
+        """The requester went away: forget its parked get."""
+        for waiting in self._by_partition.values():
+            waiting.pop(handle, None)
+
+    def drop_peer(self, peer: Any) -> None:
+        """Forget every get parked by ``peer``'s connections."""
+        for waiting in self._by_partition.values():
+            for handle in [h for h in waiting if peer_of(h) == peer]:
+                del waiting[handle]
 
 
 class AdmissionRecord(NamedTuple):

@@ -33,6 +33,7 @@ from tqstream.controller.records import (
     Lease,
     LeaseTable,
     Parked,
+    ParkedGets,
     PutBook,
     check_window,
     version_of,
@@ -78,7 +79,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.budgets = Budgets()  # StalenessManagers' pooled budgets
         self.puts = PutBook()
         self.leases = LeaseTable()
-        self.parked: dict[str, dict[Any, Parked]] = {}
+        self.parked = ParkedGets()
         self.deadlines = DeadlineHeap(self._live)
         self.ids = itertools.count(1)  # put, lease, chunk and partition-incarnation ids
         self.outbox = Effects()  # effects of calls that return something else; see take_effects
@@ -189,7 +190,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             return meta
         if req.timeout == 0:
             raise self._timeout_error(p, req)
-        self.parked.setdefault(req.partition, {})[handle] = parked
+        self.parked.park(parked)
         if req.timeout is not None:
             self.schedule(now + req.timeout, "park", parked)
         return None
@@ -251,20 +252,20 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         return bool(self.puts.where(partition=partition, live=True))
 
     def _serve_parked(self, partition: str, effects: Effects, now: float) -> None:
-        waiting = self.parked.get(partition)
+        waiting = self.parked.of(partition)
         if not waiting:
             return
         p = self.partitions[partition]
-        for handle, parked in list(waiting.items()):
+        for parked in waiting:
             try:
                 meta = self._try_serve(p, parked.req, parked.mask, now, parked)
             except PartitionDrainedError as e:
-                del waiting[handle]
-                effects.failed.append((handle, e))
+                self.parked.unpark(parked)
+                effects.failed.append((parked.handle, e))
                 continue
             if meta is not None:
-                del waiting[handle]
-                effects.served.append((handle, meta))
+                self.parked.unpark(parked)
+                effects.served.append((parked.handle, meta))
 
     def _timeout_error(self, p: Partition, req: GetMeta) -> RequestTimeoutError:
         why = p.shortage(req.task, req.fields, req.batch_size, req.whole_groups)
@@ -293,8 +294,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
 
     def cancel_parked(self, handle: Any) -> None:
         """The requester went away: forget its parked request."""
-        for waiting in self.parked.values():
-            waiting.pop(handle, None)
+        self.parked.cancel(handle)
 
     def get_by_keys(
         self,
@@ -586,10 +586,10 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             put.cancelled = True  # commit or deadline still drops its chunks
         for lease in self.leases.where(partition=partition):
             self.leases.end(lease, "cleared")
-        for handle in self.parked.pop(partition, {}):
+        for parked in self.parked.drop_partition(partition):
             effects.failed.append(
                 (
-                    handle,
+                    parked.handle,
                     PartitionClearedError(
                         f"partition {partition!r} was cleared while this get_meta waited",
                         partition=partition,
@@ -652,7 +652,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
                 schemas=dict(p.schemas),
                 tasks=p.task_stats(),
                 pending_puts=len(self.puts.where(partition=name, live=True)),
-                parked_requests=len(self.parked.get(name, {})),
+                parked_requests=self.parked.count(name),
                 produced=p.produced,
                 rejected=p.rejected,
                 stale_dropped=p.stale_dropped,
