@@ -66,64 +66,56 @@ DEFAULT_MAX_MESSAGE_BYTES = 2 * GiB
 
 
 @dataclasses.dataclass(frozen=True)
-class ControllerConfig:
+class _ServerConfig:
+    """What the controller and the storage units both take: in a cluster one setting of each name
+    sets both (:func:`cluster_settings`)."""
+
     host: str = "127.0.0.1"
     """Interface to bind (in a cluster: every server's); loopback by default."""
     port: int = 0
-    """TCP port (in a cluster: the controller's, which clients connect to); 0 picks a free one."""
+    """TCP port (in a cluster: the controller's, which clients connect to; every storage unit
+    picks its own); 0 picks a free one."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest message accepted; larger ones get a MessageTooLargeError reply."""
+    keys: str = ""
+    """Path of the cluster's CURVE key file, made (mode 0600) if missing when a deployment starts:
+    TCP peers must hold its client keypair (clients: ``ClientConfig(keys=PATH)`` or
+    ``TQSTREAM_KEYS=PATH``); empty: no authentication, any peer that reaches the port is served."""
+    connect_timeout: float = 10.0
+    """Seconds the controller and a registering storage unit wait for each other's handshake
+    before raising ConnectError."""
+    heartbeat_interval: float = 1.0
+    """Seconds between ZMQ heartbeats on the links between the controller and the storage units;
+    a side silent for 3 intervals counts as lost."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig(_ServerConfig):
     lease_timeout: float = 300.0
     """Seconds a leased batch stays leased without ack before its rows become available again."""
     put_timeout: float = 60.0
     """Seconds a prepared put may stay uncommitted before it is aborted and its storage freed."""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """Largest message accepted; larger ones get a MessageTooLargeError reply."""
     storage_timeout: float = 30.0
     """Seconds to wait for a storage unit to answer a drop or stats request."""
     replicas: int = 1
     """Copies kept of each row, on distinct storage units (1 or 2); a partition can set its own
     (``create_partition(..., replicas=2)``). With 2, losing one unit loses no row."""
-    keys: str = ""
-    """Path of the cluster's CURVE key file, made (mode 0600) if missing when a deployment starts:
-    TCP peers must hold its client keypair (clients: ``ClientConfig(keys=PATH)`` or
-    ``TQSTREAM_KEYS=PATH``); empty: no authentication, any peer that reaches the port is served."""
     metrics_port: int = 0
     """Port of the Prometheus metrics endpoint (``http://HOST:PORT/metrics`` on the controller's
     host); 0: no endpoint (docs/observability.md)."""
     max_rows: int = 0
     """Rows the cluster holds at most, over every partition (rows being put included); a put or
     keyed write that would exceed it raises CapacityError. 0: no cap."""
-    connect_timeout: float = 10.0
-    """Seconds the controller and a registering storage unit wait for each other's handshake
-    before raising ConnectError."""
-    heartbeat_interval: float = 1.0
-    """Seconds between ZMQ heartbeats on the links between the controller and the storage units;
-    a side silent for 3 intervals counts as lost."""
 
     def __post_init__(self) -> None:
         _check(self, "controller")
 
 
 @dataclasses.dataclass(frozen=True)
-class StorageConfig:
-    host: str = "127.0.0.1"
-    """Interface to bind; loopback by default."""
-    port: int = 0
-    """TCP port; 0 picks a free one."""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """Largest message accepted; larger ones get a MessageTooLargeError reply."""
+class StorageConfig(_ServerConfig):
     max_bytes: int = 0
     """Byte quota of each storage unit (0: unlimited); puts wait for room, then raise
     CapacityError."""
-    keys: str = ""
-    """Path of the cluster's CURVE key file, made (mode 0600) if missing when a deployment starts:
-    TCP peers must hold its client keypair (clients: ``ClientConfig(keys=PATH)`` or
-    ``TQSTREAM_KEYS=PATH``); empty: no authentication, any peer that reaches the port is served."""
-    connect_timeout: float = 10.0
-    """Seconds the controller and a registering storage unit wait for each other's handshake
-    before raising ConnectError."""
-    heartbeat_interval: float = 1.0
-    """Seconds between ZMQ heartbeats on the links between the controller and the storage units;
-    a side silent for 3 intervals counts as lost."""
 
     def __post_init__(self) -> None:
         _check(self, "storage")
@@ -421,7 +413,16 @@ def _kind(cls: type, name: str) -> tuple[type, bool]:
 
 @functools.cache
 def _docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field, so flags, errors and config share one text."""
+    """The docstring under each dataclass field (its own or a base class's), so flags, errors and
+    config share one text."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_docs(klass))
+    return docs
+
+
+def _own_docs(cls: type) -> dict[str, str]:
     body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, after in itertools.pairwise(body):
