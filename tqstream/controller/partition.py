@@ -365,7 +365,10 @@ class Partition:
     def _ready_seq(r: Row, mask: int) -> int:
         """When ``r`` became ready for ``mask``: the write of the last of its fields (later writes
         of other fields do not move it)."""
-        return max(seq for m, seq in r.writes if m & mask)
+        writes = r.writes
+        if len(writes) == 1 and writes[0][0] & mask:  # written once (a put's rows)
+            return writes[0][1]
+        return max(seq for m, seq in writes if m & mask)
 
     def _group_seq(self, r: Row, mask: int) -> int:
         """When the group of ``r`` (all of its members available) became ready for ``mask``."""
@@ -483,23 +486,22 @@ class Partition:
                 gv.add(key, size, self._group_seq(r, vmask) if completes else r.ready_seq)
 
     # --- selection ---
-    def _ready_rows_for(self, task: str, mask: int) -> list[Row]:
-        """One-time scan used to build a new view, oldest completion first."""
-        rows = [
-            r
+    def _ready_for(self, task: str, mask: int) -> dict[int, int]:
+        """One-time scan used to build a new view: row -> when it became ready for ``mask``, of
+        the committed rows ready for it and available to ``task``."""
+        ready_seq, available = self._ready_seq, self.available
+        return {
+            r.id: ready_seq(r, mask)
             for r in self.rows.values()
-            if r.committed and (r.written & mask) == mask and self.available(r, task)
-        ]
-        rows.sort(key=lambda r: self._ready_seq(r, mask))
-        return rows
+            if r.committed and (r.written & mask) == mask and available(r, task)
+        }
 
     def view(self, task: str, mask: int) -> ReadyView:
         v = self.views.get((task, mask))
         if v is None:
             self.task(task)
             v = self.views[(task, mask)] = ReadyView(task, mask)
-            for r in self._ready_rows_for(task, mask):
-                v.add(r.id, self._ready_seq(r, mask))
+            v.add_new(self._ready_for(task, mask))  # one bulk update: sorted once
         return v
 
     def group_view(self, task: str, mask: int) -> GroupView:
@@ -507,9 +509,8 @@ class Partition:
         if gv is None:
             self.task(task)
             gv = self.group_views[(task, mask)] = GroupView(task, mask)
-            for r in self._ready_rows_for(task, mask):
-                key, size = self._group_of(r)
-                gv.add(key, size, self._ready_seq(r, mask))
+            ready = sorted((seq, rid) for rid, seq in self._ready_for(task, mask).items())
+            gv.add_new((*self._group_of(self.rows[rid]), seq) for seq, rid in ready)
         return gv
 
     def select(

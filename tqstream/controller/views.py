@@ -84,6 +84,18 @@ class GroupView:
             self.ready[self.seq_of.setdefault(group, seq)] = group
             self.ready_rows += size
 
+    def add_new(self, members: Iterable[tuple[GroupKey, int, int]]) -> None:
+        """Members (group, size, seq) that never entered this view, oldest first, as ``add``
+        would take them one by one, in one update of the order."""
+        count, seq_of, done = self.count, self.seq_of, {}
+        for group, size, seq in members:
+            c = count.get(group, 0) + 1
+            count[group] = c
+            if c == size:
+                done[seq_of.setdefault(group, seq)] = group
+                self.ready_rows += size
+        self.ready.update(done)
+
     def remove(self, group: GroupKey, size: int) -> None:
         c = self.count.get(group, 0)
         if c == 0:
