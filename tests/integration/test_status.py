@@ -120,7 +120,8 @@ def test_json_lines_follow_a_producer(cluster: tuple[ProcessCluster, tqstream.Cl
 
     producer = threading.Thread(target=produce, name="status-test-producer")
     proc = subprocess.Popen([*STATUS, pc.address, "--json", "--interval", "0.5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)  # fmt: skip
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline()]  # the first sample, once the command is up
@@ -147,6 +148,13 @@ def test_json_lines_follow_a_producer(cluster: tuple[ProcessCluster, tqstream.Cl
     puts = [s["rates"]["partitions"]["status-stream"]["put_rows_per_s"] for s in snaps[2:-1]]
     # about 40 rows/s; an interval with no put at all only when the machine starved the producer
     assert puts and all(0 <= r < 200 for r in puts) and max(puts) > 0, puts
+
+
+def _default_sigint() -> None:
+    """In the child: Ctrl-C (SIGINT) back to its default, which Python turns into
+    KeyboardInterrupt. A test run started in the background (``cmd &`` in a script) has it
+    ignored, and children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _tmux(sock: Path, *args: str) -> str:

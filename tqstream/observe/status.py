@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -127,9 +129,10 @@ class StatsClient:
 
     def stats(self) -> Stats:
         request = GetStats(rid=0, partition=None)
-        reply, _ = self._loop.run_until_complete(
-            self._conn.request(request, timeout=self._timeout + 30.0)  # units answer within 30 s
-        )
+        with _interrupt_after():
+            reply, _ = self._loop.run_until_complete(
+                self._conn.request(request, timeout=self._timeout + 30.0)  # units: within 30 s
+            )
         if not isinstance(reply, StatsReply):
             raise InternalError(f"the controller answered stats with {type(reply).__name__}")
         return reply.stats
@@ -138,6 +141,26 @@ class StatsClient:
         self._conn.close()
         self._ctx.destroy(linger=0)
         self._loop.close()
+
+
+@contextlib.contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that comes during the block until it ends: a request interrupted
+    half way would leave its coroutine and its connection half done (and warnings on stderr)."""
+    held: list[int] = []
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            raise ValueError("Ctrl-C is ignored, or someone else's")
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    except ValueError:  # that, or not the main thread: leave SIGINT alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            raise KeyboardInterrupt
 
 
 def _stopped(address: str, exc: TQStreamError) -> str:
