@@ -31,7 +31,8 @@ def test_demo_command_writes_its_summary_and_plot(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     for key in ("steps", "reward_first", "reward_last", "max_lag", "produced", "trained",
                 "dropped", "left", "eval_untrained", "eval_first", "eval_last",
-                "seconds_to_eval_0.8", "warm_start_seconds"):  # fmt: skip
+                "seconds_to_eval_0.8", "warm_start_seconds", "eval_digits_first",
+                "eval_digits_last"):  # fmt: skip
         assert key in summary
     assert summary["steps"] == 6 and len(summary["history"]) == 6
     assert summary["produced"] == summary["trained"] + summary["dropped"] + summary["left"]
@@ -39,6 +40,8 @@ def test_demo_command_writes_its_summary_and_plot(tmp_path: Path) -> None:
     # the format warm start alone leaves the task unlearned: what is learned comes from RL
     assert summary["eval_untrained"] <= 0.1 and summary["eval_first"] <= 0.3
     assert summary["history"][-1]["eval"] == summary["eval_last"]
+    assert summary["history"][-1]["eval_digits"] == summary["eval_digits_last"]
+    assert summary["eval_digits_first"] <= 0.3  # ~0.1: digits right by chance
     assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # without a terminal the live view's last frame ends its line: the summary starts its own
     lines = out.stdout.splitlines()

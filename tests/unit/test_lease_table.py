@@ -21,7 +21,7 @@ def test_a_lease_is_active_until_it_ends_then_its_end_answers() -> None:
     table.end(a, "acked")
     table.end(a, "expired")  # a second end changes nothing
     assert 1 not in table and table.status(1) == "acked" and table.status(9) is None
-    with pytest.raises(ValueError, match="granted before"):
+    with pytest.raises(ValueError, match="id 1 was used before"):
         table.grant(lease(1))
 
 

@@ -24,7 +24,7 @@ def test_a_put_is_in_flight_until_it_ends_then_its_end_answers() -> None:
     assert book.end(1, "committed") is a
     assert book.end(1, "aborted") is None  # a second end changes nothing
     assert 1 not in book and book.status(1) == "committed" and book.status(9) is None
-    with pytest.raises(ValueError, match="opened before"):
+    with pytest.raises(ValueError, match="was used before"):
         book.open(pending(1))
 
 

@@ -191,19 +191,20 @@ class WaitingPut(NamedTuple):
     pinned: int | None
 
 
-class PutBook(Mapping[int, PendingPut]):
-    """The puts in flight (prepared, neither committed nor rolled back: a read-only mapping of
-    id to :class:`PendingPut`), how the newest ended ones ended, and the puts waiting for room
-    under a quota. A put starts only by :meth:`open` and ends only by :meth:`end`, so that an
-    ended put is always recorded and never still in flight."""
+Record = TypeVar("Record")
 
-    def __init__(self) -> None:
-        self._active: dict[int, PendingPut] = {}
-        self._ended: Finished[PutEnd] = Finished(get_args(PutEnd))
-        self._waiting: dict[Any, WaitingPut] = {}  # by request handle, in arrival order
 
-    def __getitem__(self, put_id: int) -> PendingPut:
-        return self._active[put_id]
+class Ledger(Mapping[int, Record], Generic[Record, Ended]):
+    """Records in flight by id (a read-only mapping) and how the newest ended ones ended. A record
+    starts only by :meth:`_start` and ends only by :meth:`_finish`, so that an ended one is always
+    recorded and never still in flight, and an id is never used twice."""
+
+    def __init__(self, statuses: Sequence[Ended]) -> None:
+        self._active: dict[int, Record] = {}
+        self._ended: Finished[Ended] = Finished(statuses)
+
+    def __getitem__(self, key: int) -> Record:
+        return self._active[key]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._active)
@@ -211,18 +212,36 @@ class PutBook(Mapping[int, PendingPut]):
     def __len__(self) -> int:
         return len(self._active)
 
+    def _start(self, key: int, record: Record) -> None:
+        if key in self._active or self._ended.get(key) is not None:
+            raise ValueError(f"id {key} was used before")
+        self._active[key] = record
+
+    def _finish(self, key: int, status: Ended) -> Record | None:
+        """``key`` ends with ``status``: its record, or None when it was not in flight (ending it
+        again is a no-op)."""
+        record = self._active.pop(key, None)
+        if record is not None:
+            self._ended.end(key, status)
+        return record
+
+
+class PutBook(Ledger[PendingPut, PutEnd]):
+    """The puts in flight (prepared, neither committed nor rolled back: a read-only mapping of
+    id to :class:`PendingPut`), how the newest ended ones ended, and the puts waiting for room
+    under a quota. A put starts only by :meth:`open` and ends only by :meth:`end`."""
+
+    def __init__(self) -> None:
+        super().__init__(get_args(PutEnd))
+        self._waiting: dict[Any, WaitingPut] = {}  # by request handle, in arrival order
+
     def open(self, put: PendingPut) -> None:
-        if put.put_id in self._active or self._ended.get(put.put_id) is not None:
-            raise ValueError(f"put id {put.put_id} was opened before")
-        self._active[put.put_id] = put
+        self._start(put.put_id, put)
 
     def end(self, put_id: int, status: PutEnd) -> PendingPut | None:
         """The put ends (``status`` answers a late commit or abort): the put, or None when it was
         not in flight (ending it again is a no-op)."""
-        put = self._active.pop(put_id, None)
-        if put is not None:
-            self._ended.end(put_id, status)
-        return put
+        return self._finish(put_id, status)
 
     def status(self, put_id: int) -> Literal["pending"] | PutEnd | None:
         """``"pending"``, how the put ended, or None (never opened, or ended too long ago)."""
@@ -275,34 +294,21 @@ class Lease:
     owner: Any = None  # the reader's peer: its rows go back to available when it disconnects
 
 
-class LeaseTable(Mapping[int, "Lease"]):
+class LeaseTable(Ledger[Lease, LeaseEnd]):
     """The leases granted and not ended (a read-only mapping of id to :class:`Lease`), and how
-    the newest ended ones ended: the only way a lease starts (:meth:`grant`) and ends
-    (:meth:`end`), so that an ended lease is always recorded and never still active."""
+    the newest ended ones ended: a lease starts only by :meth:`grant` and ends only by
+    :meth:`end`."""
 
     def __init__(self) -> None:
-        self._active: dict[int, Lease] = {}
-        self._ended: Finished[LeaseEnd] = Finished(get_args(LeaseEnd))
-
-    def __getitem__(self, lease_id: int) -> Lease:
-        return self._active[lease_id]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._active)
-
-    def __len__(self) -> int:
-        return len(self._active)
+        super().__init__(get_args(LeaseEnd))
 
     def grant(self, lease: Lease) -> None:
-        if lease.lease_id in self._active or self._ended.get(lease.lease_id) is not None:
-            raise ValueError(f"lease id {lease.lease_id} was granted before")
-        self._active[lease.lease_id] = lease
+        self._start(lease.lease_id, lease)
 
     def end(self, lease: Lease, status: LeaseEnd) -> None:
         """The lease ends (``status`` answers a late ack or release); ending it again is a
         no-op."""
-        if self._active.pop(lease.lease_id, None) is not None:
-            self._ended.end(lease.lease_id, status)
+        self._finish(lease.lease_id, status)
 
     def status(self, lease_id: int) -> Literal["active"] | LeaseEnd | None:
         """``"active"``, how the lease ended, or None (never granted, or ended too long ago)."""
@@ -341,16 +347,26 @@ class Parked:
 
 class ParkedGets:
     """The gets waiting for rows, by partition, in arrival order. A get is parked once and leaves
-    once: served, failed, timed out, cancelled, or with its partition or its peer."""
+    once: served, failed, timed out, cancelled, or with its partition or its peer. Indexed by
+    handle and by peer too: a cancel or a peer's departure costs what it takes out, not what is
+    parked (thousands of clients may each have a get parked)."""
 
     def __init__(self) -> None:
         self._by_partition: dict[str, dict[Any, Parked]] = {}
+        self._by_handle: dict[Any, Parked] = {}
+        self._by_peer: dict[Any, set[Any]] = {}  # peer -> the handles of its parked gets
 
     def __len__(self) -> int:
-        return sum(len(waiting) for waiting in self._by_partition.values())
+        return len(self._by_handle)
 
     def park(self, parked: Parked) -> None:
+        if parked.handle in self._by_handle:
+            raise ValueError("a request handle parks one get at a time")
         self._by_partition.setdefault(parked.req.partition, {})[parked.handle] = parked
+        self._by_handle[parked.handle] = parked
+        peer = peer_of(parked.handle)
+        if peer is not None:
+            self._by_peer.setdefault(peer, set()).add(parked.handle)
 
     def of(self, partition: str) -> list[Parked]:
         """The gets parked on ``partition``, in arrival order (a copy)."""
@@ -360,29 +376,45 @@ class ParkedGets:
         return len(self._by_partition.get(partition, {}))
 
     def holds(self, parked: Parked) -> bool:
-        return self._by_partition.get(parked.req.partition, {}).get(parked.handle) is parked
+        return self._by_handle.get(parked.handle) is parked
 
     def unpark(self, parked: Parked) -> bool:
         """Take ``parked`` out; False when it had left already."""
         if not self.holds(parked):
             return False
-        del self._by_partition[parked.req.partition][parked.handle]
+        self._forget(parked)
         return True
 
     def drop_partition(self, partition: str) -> list[Parked]:
         """Take out and return every get parked on ``partition``."""
-        return list(self._by_partition.pop(partition, {}).values())
+        out = list(self._by_partition.get(partition, {}).values())
+        for parked in out:
+            self._forget(parked)
+        return out
 
     def cancel(self, handle: Any) -> None:
         """The requester went away: forget its parked get."""
-        for waiting in self._by_partition.values():
-            waiting.pop(handle, None)
+        parked = self._by_handle.get(handle)
+        if parked is not None:
+            self._forget(parked)
 
     def drop_peer(self, peer: Any) -> None:
         """Forget every get parked by ``peer``'s connections."""
-        for waiting in self._by_partition.values():
-            for handle in [h for h in waiting if peer_of(h) == peer]:
-                del waiting[handle]
+        for handle in list(self._by_peer.get(peer, ())):
+            self._forget(self._by_handle[handle])
+
+    def _forget(self, parked: Parked) -> None:
+        del self._by_handle[parked.handle]
+        waiting = self._by_partition[parked.req.partition]
+        del waiting[parked.handle]
+        if not waiting:
+            del self._by_partition[parked.req.partition]
+        peer = peer_of(parked.handle)
+        if peer is not None:
+            handles = self._by_peer[peer]
+            handles.discard(parked.handle)
+            if not handles:
+                del self._by_peer[peer]
 
 
 class AdmissionRecord(NamedTuple):

@@ -228,7 +228,8 @@ def _line(name: str, s: Any) -> str:
     return (
         f"{name}{s.steps} steps in {s.seconds:.0f}s: held-out exact-match {s.eval_untrained:.2f} "
         f"untrained, {s.eval_first:.2f} after the format warm start ({s.warm_start_seconds:.0f}s), "
-        f"{s.eval_last:.2f} at the end ({reached}); reward {s.reward_first:.3f} -> "
+        f"{s.eval_last:.2f} at the end ({reached}); held-out digits right "
+        f"{s.eval_digits_first:.2f} -> {s.eval_digits_last:.2f}; reward {s.reward_first:.3f} -> "
         f"{s.reward_last:.3f}; produced {s.produced}, trained {s.trained}, dropped as stale "
         f"{s.dropped}, left {s.left}; tokens masked {s.tokens_masked}; max lag "
         f"{s.max_lag:.0f}; workers replaced {s.restarts}"

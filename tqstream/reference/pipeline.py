@@ -47,7 +47,7 @@ from tqstream.errors import TQStreamError
 from tqstream.reference.task import DIGITS
 
 __all__ = [
-    "PipelineConfig", "PipelineError", "StepStats", "Summary", "evaluate", "group_rows",
+    "HeldOut", "PipelineConfig", "PipelineError", "StepStats", "Summary", "evaluate", "group_rows",
     "rollout_rows", "run", "warm_start",
 ]  # fmt: skip
 
@@ -174,6 +174,7 @@ class StepStats:
     workers: int  # weight-hub members the last sync reached
     seconds: float = 0.0  # since the run started (model, warm start and workers included)
     eval: float | None = None  # held-out exact-match after this step, on evaluated steps
+    eval_digits: float | None = None  # held-out digits right (greedy), on evaluated steps
     lag_counts: dict[int, int] = dataclasses.field(default_factory=dict)  # trajectories by lag
 
 
@@ -197,6 +198,10 @@ class Summary:
     rl_start_seconds: float = 0.0  # since the run started: the first weight sync to the workers
     tokens_masked: int = 0  # generated tokens of trained trajectories outside the window (token)
     seconds_to_eval_0_8: float | None = None  # first evaluation at >= 0.8 (None: never)
+    # the held-out answers' digits right (greedy): ~0.1 by chance, smoother than exact-match
+    # (which is about its fifth power)
+    eval_digits_first: float = 0.0
+    eval_digits_last: float = 0.0
 
 
 def rollout_rows(
@@ -464,10 +469,21 @@ def warm_start(trainer: Any, tok: Any, steps: int, rng: random.Random, batch: in
     model.eval()
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """A greedy evaluation on held-out problems."""
+
+    exact: float
+    """Exact-match: the answer, then the end of sequence."""
+    digits: float
+    """The digits right (the task's reward, averaged): 0.1 by chance for an answer of the right
+    shape; less noisy than ``exact``, about whose fifth root it is."""
+
+
 @torch.no_grad()
-def evaluate(model: Any, tok: Any, problems: list[Any], max_new_tokens: int) -> float:
-    """Greedy exact-match on ``problems`` (all prompts of one length: one batch, KV cache)."""
-    from tqstream.reference.task import exact
+def evaluate(model: Any, tok: Any, problems: list[Any], max_new_tokens: int) -> HeldOut:
+    """Greedy answers to ``problems`` (all prompts of one length: one batch, KV cache), scored."""
+    from tqstream.reference.task import exact, reward
 
     prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in problems]
     if len({len(p) for p in prompts}) != 1:
@@ -480,12 +496,13 @@ def evaluate(model: Any, tok: Any, problems: list[Any], max_new_tokens: int) -> 
         past = res.past_key_values
         step = res.logits[:, -1].argmax(-1, keepdim=True)
         out = torch.cat([out, step], dim=1)
-    hits = 0
+    hits = digits = 0.0
     for problem, row in zip(problems, out.tolist(), strict=True):
         stopped = tok.eos_token_id in row
-        tokens = row[: row.index(tok.eos_token_id)] if stopped else row
-        hits += exact(problem, tok.decode(tokens), stopped)
-    return hits / len(problems)
+        text = tok.decode(row[: row.index(tok.eos_token_id)] if stopped else row)
+        hits += exact(problem, text, stopped)
+        digits += reward(problem, text, stopped)
+    return HeldOut(hits / len(problems), digits / len(problems))
 
 
 def run(
@@ -551,6 +568,7 @@ def run(
             version_fn=lambda: trainer.version, timeout=POLL,
         )  # fmt: skip
         history: list[StepStats] = []
+        latest = eval_first  # the last evaluation
         trained = masked = 0
         batches = iter(data)
         last = time.perf_counter()
@@ -594,11 +612,14 @@ def run(
                 if due or step + 1 == config.steps
                 else None
             )
+            latest = score or latest
             now = time.perf_counter()
             rate = len(meta.row_ids) / (now - last)
             row = StepStats(
                 step, trainer.version, stats["reward_mean"], stats["loss"], stats["max_lag"],
-                rate, sync_s, sync.receivers, seconds=now - t0, eval=score,
+                rate, sync_s, sync.receivers, seconds=now - t0,
+                eval=None if score is None else score.exact,
+                eval_digits=None if score is None else score.digits,
                 lag_counts=stats["lag_counts"],
             )  # fmt: skip
             last = now
@@ -622,15 +643,17 @@ def run(
             restarts=workers.restarts,
             seconds=time.perf_counter() - t0,
             history=history,
-            eval_untrained=eval_untrained,
-            eval_first=eval_first,
-            eval_last=history[-1].eval if history[-1].eval is not None else eval_first,
+            eval_untrained=eval_untrained.exact,
+            eval_first=eval_first.exact,
+            eval_last=latest.exact,
             warm_start_seconds=warm_seconds,
             rl_start_seconds=rl_start,
             tokens_masked=masked,
             seconds_to_eval_0_8=next(
                 (h.seconds for h in history if h.eval is not None and h.eval >= 0.8), None
             ),
+            eval_digits_first=eval_first.digits,
+            eval_digits_last=latest.digits,
         )
     finally:
         if workers is not None:
