@@ -431,6 +431,12 @@ class RayActorQueue(System):
 
 
 # --- tqstream -------------------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class TQStream(TaskSystem):
     """tqstream, embedded (controller + 1 storage unit in this process) or as processes."""
 
@@ -500,6 +506,14 @@ class TQStream(TaskSystem):
             self._scraping = threading.Event()
             url = f"http://127.0.0.1:{port}/metrics"
             threading.Thread(target=_scrape, args=(url, self._scraping), daemon=True).start()
+
+    def server_cpu(self) -> dict[str, float] | None:
+        """CPU seconds (user + system, every thread) the controller and the storage units have
+        used so far; None for the embedded deployment, whose servers share this process."""
+        if not hasattr(self, "cluster"):
+            return None
+        seconds = [cpu_seconds(p.pid) for p in self.cluster.procs]
+        return {"controller": seconds[0], "units": sum(seconds[1:])}
 
     def close(self) -> None:
         if hasattr(self, "_scraping"):

@@ -1,10 +1,13 @@
 """producers: P producer processes (8) each put one trajectory, or one group of 8, at a time
 (ragged, 768-1280 tokens) while one consumer in the benchmark process reads batches of 256 rows
-and acks them. A round is the exchange of a fixed number of rows (2048 trajectories, 4096 rows in
-groups), from the producers' common start to the last batch acked, so rows / round time is the
-sustained rate. Producers time each of their own puts and send the times back: p50 / p99 go into
-``extra_info``. Every round checks that no row was lost or read twice and nothing is left stored;
-the untimed warmup exchange also compares the data.
+and acks them. A round is the exchange of a fixed number of rows (2048 trajectories, 4096 rows
+in groups), from the producers' common start to the last batch acked, so rows / round time is
+the sustained rate. Producers time each of their own puts and send the times back: p50 / p99 go
+into ``extra_info``, and for a tqstream process cluster the CPU time its controller and its
+storage units used during the timed rounds, per row (``controller_cpu_us_per_row``,
+``units_cpu_us_per_row``: user + system, every thread, from ``/proc``). Every round checks that
+no row was lost or read twice and nothing is left stored; the untimed warmup exchange also
+compares the data.
 
 The producer processes are spawned once per session and connected to one system after another
 (to the Ray-based systems as drivers of the benchmark's Ray cluster); each gets one job per
@@ -524,6 +527,7 @@ class Exchange:
     keep: bool = False  # keep the received rows' data (for the data check)
     ids: list[int] = dataclasses.field(default_factory=list)
     data: dict[int, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    cpu: dict[str, float] = dataclasses.field(default_factory=dict)  # servers' CPU s in run()
 
     @property
     def seed(self) -> int:
@@ -541,6 +545,8 @@ class Exchange:
 
     def run(self) -> None:
         """Timed: release the producers, read every row in batches, ack each batch."""
+        system = self.consumer.system
+        before = system.server_cpu() if isinstance(system, TQStream) else None
         self.pool.go()
         while len(self.ids) < self.rows:
             got = self.consumer.take(self.config.batch, POLL)
@@ -555,6 +561,9 @@ class Exchange:
                     self.data[row_id] = {name: rows[name][j] for name in RAGGED}
             self.ids += ids
             self.consumer.done(token)
+        if before is not None:
+            after = system.server_cpu()  # type: ignore[attr-defined]
+            self.cpu = {k: after[k] - v for k, v in before.items()}
 
     def finish(self) -> list[float]:
         """Untimed: every row read exactly once, nothing left stored; the put times."""
@@ -659,10 +668,19 @@ def test_producers(
 
     times: list[float] = []
     current: list[Exchange] = []
+    cpu: dict[str, float] = {}  # the servers' CPU seconds over the timed rounds
+    rows = 0
+
+    def finish(exchange: Exchange) -> None:
+        nonlocal rows
+        times.extend(exchange.finish())
+        for k, v in exchange.cpu.items():
+            cpu[k] = cpu.get(k, 0.0) + v
+        rows += exchange.rows
 
     def setup() -> tuple[tuple[()], dict[str, Any]]:
         if current:
-            times.extend(current.pop().finish())
+            finish(current.pop())
         exchange = Exchange(consumer, pool, config, config.rows, next(tags))
         exchange.arm()
         current.append(exchange)
@@ -687,8 +705,9 @@ def test_producers(
         group=config.group,
     )
     benchmark.pedantic(run, setup=setup, rounds=config.rounds, warmup_rounds=0, iterations=1)
-    times.extend(current.pop().finish())
+    finish(current.pop())
     benchmark.extra_info.update(
+        {f"{k}_cpu_us_per_row": v / rows * 1e6 for k, v in cpu.items()},
         puts=len(times),
         put_p50_s=percentile(times, 0.50),
         put_p99_s=percentile(times, 0.99),

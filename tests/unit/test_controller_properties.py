@@ -202,7 +202,7 @@ class ControllerMachine(RuleBasedStateMachine):
         parts = {
             n: (
                 sorted(p.bits.items()),
-                dict(p.keys),
+                {p.key_of(r): rid for rid, r in p.rows.items()},
                 {g: (v.size, list(v.members)) for g, v in p.groups.items()},
                 p.next_row,
                 {t: (dict(ts.leased), set(ts.acked)) for t, ts in p.tasks.items()},

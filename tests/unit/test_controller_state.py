@@ -115,7 +115,7 @@ def snapshot(s: ControllerState) -> Any:
         s.stats(None),
         list(s.units.bytes),
         {n: sorted(p.bits.items()) for n, p in s.partitions.items()},
-        {n: dict(p.keys) for n, p in s.partitions.items()},
+        {n: {p.key_of(r): rid for rid, r in p.rows.items()} for n, p in s.partitions.items()},
         {
             n: {g: (v.size, list(v.members)) for g, v in p.groups.items()}
             for n, p in s.partitions.items()
@@ -348,6 +348,48 @@ def test_generated_keys_never_collide_with_user_keys() -> None:
     assert len(set(keys)) == len(keys) == 3
     s.clear_samples("p", [0, 1, 2])
     assert s.list_keys("p") == [] and s.stats("p")["p"].rows == 0
+
+
+def test_generated_keys_are_not_stored_and_answer_like_user_keys() -> None:
+    s = new_state()
+    generated = put(s, 3).keys  # rows 0-2
+    prefix = generated[0][:-1]
+    p = s.partitions["p"]
+    assert all(r.key is None for r in p.rows.values())  # derived from the row id when asked
+    assert [p.row_of_key(k).id for k in generated] == [0, 1, 2]  # type: ignore[union-attr]
+    # not the generated form: a leading zero, another prefix, a sign, non-ASCII digits
+    for other in (f"{prefix}01", f"x{prefix}1", f"{prefix}-1", f"{prefix}\u0661", prefix):
+        assert p.row_of_key(other) is None
+    with pytest.raises(DuplicateKeyError):
+        put(s, 1, keys=[generated[1]])
+    # a user key taking the generated name of a row to come (row 5): row 5 gets another one
+    put(s, 1, keys=[f"{prefix}5"])  # row 3
+    put(s, 1, keys=[f"{prefix}1.1"])  # row 4
+    assert put(s, 1).keys == [f"{prefix}5.1"]  # row 5
+    assert p.row_of_key(f"{prefix}5").id == 3 and p.row_of_key(f"{prefix}5.1").id == 5  # type: ignore[union-attr]
+    # a removed row's generated name is free for a user key, and gone from the index
+    s.clear_samples("p", [0])
+    assert p.row_of_key(generated[0]) is None
+    put(s, 1, keys=[generated[0]])  # row 6
+    assert p.row_of_key(generated[0]).id == 6  # type: ignore[union-attr]
+    keys = s.list_keys("p")
+    assert len(set(keys)) == len(keys) == 6
+    got = s.get_by_keys("p", keys, ["a"])
+    assert got.keys == keys
+
+
+def test_a_row_written_once_keeps_no_write_records() -> None:
+    s = new_state()
+    put(s, 2, fields=("a",))
+    p = s.partitions["p"]
+    assert all(r.writes is None for r in p.rows.values())
+    put_fields(s, [0], {"b": F32})
+    r0, r1 = p.rows[0], p.rows[1]
+    assert r1.writes is None and [m for m, _ in p.writes_of(r1)] == [p.bits["a"]]
+    assert [m for m, _ in p.writes_of(r0)] == [p.bits["a"], p.bits["b"]]
+    # ready for "a" when "a" was written, for "a" and "b" when "b" was
+    assert get(s, ("a",), batch_size=2).row_ids == [0, 1]
+    assert get(s, ("a", "b"), batch_size=1, task="u").row_ids == [0]
 
 
 def test_refused_put_to_a_new_partition_creates_nothing() -> None:

@@ -92,7 +92,9 @@ def test_committed_state_comes_back_and_leases_become_available() -> None:
             assert a.tasks[task].available == t.available + t.leased
     for name, p in s.partitions.items():
         q = back.partitions[name]
-        assert {k: v for k, v in q.keys.items()} == p.keys
+        assert {q.key_of(r): i for i, r in q.rows.items()} == {
+            p.key_of(r): i for i, r in p.rows.items()
+        }
         assert {g: (v.size, v.members) for g, v in q.groups.items()} == {
             g: (v.size, v.members) for g, v in p.groups.items()
         }
@@ -132,7 +134,7 @@ def test_puts_and_put_fields_in_flight_are_left_out() -> None:
     assert [r for parts in taken.rows.values() for r in parts.get("p", [])] == [0, 1]
     back = restored(saved(s))
     p = back.partitions["p"]
-    assert sorted(p.keys) == ["x", "y"]  # z0..z2 were never visible: their keys are free
+    assert sorted(map(p.key_of, p.rows.values())) == ["x", "y"]  # z0..z2 were never visible
     assert p.written_count == {"a": 2} and not any(r.pending for r in p.rows.values())
     assert sum(back.units.bytes) == 100  # without the put_fields' 40 bytes
     assert back.stats("p")["p"].pending_puts == 0
@@ -362,3 +364,15 @@ def test_a_schema_of_a_put_in_flight_is_not_in_the_snapshot() -> None:
     back = restored(saved(s))
     assert back.stats("p")["p"].schemas == {"a": F32}
     put(back, 1, {"a": F32, "new": I64})  # another schema for it is fine
+
+
+def test_a_user_key_in_the_generated_name_of_a_row_to_come_survives_a_restore() -> None:
+    s = new_state()
+    prefix = put(s, 1).keys[0][:-1]  # row 0
+    put(s, 1, keys=[f"{prefix}3"])  # row 1 takes the name row 3 would be generated
+    back = restored(saved(s))
+    assert back.partitions["p"].rows[0].key is None  # generated keys stay unstored
+    put(back, 1)  # row 2
+    assert put(back, 1).keys == [f"{prefix}3.1"]  # row 3
+    keys = back.list_keys("p")
+    assert len(set(keys)) == len(keys) == 4

@@ -46,10 +46,10 @@ class Row:
     )
 
     def __init__(
-        self, row_id: int, key: str, group: str | None, unit: int, nbytes: int, version: int | None
+        self, row_id: int, group: str | None, unit: int, nbytes: int, version: int | None
     ) -> None:
         self.id = row_id
-        self.key = key
+        self.key: str | None = None  # None: generated from the id (Partition.key_of)
         self.group = group
         self.unit = unit
         self.replica = -1  # the unit holding the second copy; -1: none
@@ -61,7 +61,9 @@ class Row:
         self.pending = 0
         self.committed = False
         self.ready_seq = 0
-        self.writes: list[tuple[int, int]] = []  # (mask, seq) of each committed write
+        # (mask, seq) of each committed write; None while it has at most one, which is then
+        # (written, ready_seq) (a put's rows: no list of their own)
+        self.writes: list[tuple[int, int]] | None = None
         self.tags: dict[str, Any] | None = None  # the user's small per-row bookkeeping
 
     def merge_tags(self, tags: dict[str, Any] | None) -> None:
@@ -105,7 +107,10 @@ class Partition:
         # schemas fixed by writes still in flight only: forgotten if all of those roll back
         self.provisional: set[str] = set()
         self.rows: dict[int, Row] = {}
-        self.keys: dict[str, int] = {}
+        # keys are generated from row ids (key_of) and not stored, except the users' keys and the
+        # generated ones a user key took the name of: those are here, and in Row.key
+        self._named: dict[str, int] = {}
+        self._taken: set[int] = set()  # rows to come whose generated name a user key took
         self.groups: dict[str, Group] = {}
         self.tasks: dict[str, TaskState] = {}
         self.views: dict[tuple[str, int], ReadyView] = {}
@@ -219,7 +224,7 @@ class Partition:
             seen: set[str] = set()
             dup = []
             for k in keys:
-                if k in self.keys or k in seen:
+                if k in seen or self.row_of_key(k) is not None:
                     dup.append(k)
                 seen.add(k)
             if dup:
@@ -237,16 +242,18 @@ class Partition:
                 if g is not None:
                     counts[g] = counts.get(g, 0) + 1
             self._check_groups(counts, group_size, fields)
-        rows = []
-        for i in range(n):
-            rid = self.next_row + i
-            key = keys[i] if keys is not None else self._generated_key(rid)
-            group = groups[i] if groups is not None else None
-            rows.append(Row(rid, key, group, -1, 0, version))
+        first = self.next_row
+        rows = [
+            Row(rid, None if groups is None else groups[rid - first], -1, 0, version)
+            for rid in range(first, first + n)
+        ]
         self.next_row += n
-        for r in rows:
+        for i, r in enumerate(rows):
             self.rows[r.id] = r
-            self.keys[r.key] = r.id
+            if keys is not None:
+                self.name_row(r, keys[i])
+            elif r.id in self._taken:
+                self.name_row(r, None)
             if r.group is not None:
                 grp = self.groups.get(r.group)
                 if grp is None:
@@ -254,14 +261,46 @@ class Partition:
                 grp.members.append(r.id)
         return rows
 
-    def _generated_key(self, rid: int) -> str:
-        """``<prefix><row id>``, or with a suffix if a user key took that name: keys stay unique."""
-        key = base = f"{self.key_prefix}{rid}"
-        n = 0
-        while key in self.keys:
-            n += 1
-            key = f"{base}.{n}"
-        return key
+    def key_of(self, r: Row) -> str:
+        """Row ``r``'s key: the user's, or generated: ``<prefix><row id>`` (with a suffix if a
+        user key took that name first)."""
+        return r.key if r.key is not None else f"{self.key_prefix}{r.id}"
+
+    def row_of_key(self, key: str) -> Row | None:
+        """The row (pending or committed) whose key is ``key``."""
+        rid = self._named.get(key)
+        if rid is not None:
+            return self.rows[rid]
+        rid = self._generated_id(key)
+        r = None if rid is None else self.rows.get(rid)
+        return r if r is not None and r.key is None else None
+
+    def name_row(self, r: Row, key: str | None) -> None:
+        """Give row ``r`` (in ``rows``, its key not yet given) the key ``key``, or its generated
+        one (None): ``<prefix><row id>``, or with a suffix if a user key took that name."""
+        base = f"{self.key_prefix}{r.id}"
+        if key is None and r.id in self._taken:
+            self._taken.discard(r.id)
+            key, n = base, 0
+            while (other := self.row_of_key(key)) is not None and other is not r:
+                n += 1
+                key = f"{base}.{n}"
+        if key is None or key == base:
+            return  # generated: not stored
+        r.key = key
+        self._named[key] = r.id
+        taken = self._generated_id(key)
+        if taken is not None and taken >= self.next_row:
+            self._taken.add(taken)
+
+    def _generated_id(self, key: str) -> int | None:
+        """The row id of a key of the generated form (``<prefix><decimal id>``), else None."""
+        if not key.startswith(self.key_prefix):
+            return None
+        digits = key[len(self.key_prefix) :]
+        if not (digits.isascii() and digits.isdigit()) or (digits[0] == "0" and digits != "0"):
+            return None
+        return int(digits)
 
     def _check_groups(
         self, counts: dict[str, int], group_size: int | None, fields: frozenset[str]
@@ -308,9 +347,7 @@ class Partition:
         for seq, r in enumerate(rows, first):
             r.committed = True
             r.written = mask
-            r.ready_seq = seq
-            if mask:  # a row created without fields gets its first write later
-                r.writes.append((mask, seq))
+            r.ready_seq = seq  # its one write: (mask, seq), see Row.writes
         self.count_written(mask, len(rows))
         for (_, vmask), v in self.views.items():
             if mask & vmask == vmask:
@@ -336,10 +373,13 @@ class Partition:
         """Fields of ``mask`` written (or, overwritten, written again) for committed row ``r``;
         the caller counts them (``_count``)."""
         old = r.written
+        if r.writes is None and old:  # its one write so far gets a record of its own
+            r.writes = [(old, r.ready_seq)]
         r.written = new = old | mask
         self.seq += 1
         r.ready_seq = self.seq
-        r.writes.append((mask, self.seq))
+        if r.writes is not None:
+            r.writes.append((mask, self.seq))
         for (task, vmask), v in self.views.items():
             if (old & vmask) != vmask and (new & vmask) == vmask and self.available(r, task):
                 v.add(r.id, r.ready_seq)
@@ -366,9 +406,16 @@ class Partition:
         """When ``r`` became ready for ``mask``: the write of the last of its fields (later writes
         of other fields do not move it)."""
         writes = r.writes
-        if len(writes) == 1 and writes[0][0] & mask:  # written once (a put's rows)
-            return writes[0][1]
+        if writes is None:  # written once (a put's rows)
+            return r.ready_seq
         return max(seq for m, seq in writes if m & mask)
+
+    @staticmethod
+    def writes_of(r: Row) -> list[tuple[int, int]]:
+        """The committed writes of ``r``, (fields mask, seq) each, oldest first."""
+        if r.writes is not None:
+            return r.writes
+        return [(r.written, r.ready_seq)] if r.written else []
 
     def _group_seq(self, r: Row, mask: int) -> int:
         """When the group of ``r`` (all of its members available) became ready for ``mask``."""
@@ -388,7 +435,8 @@ class Partition:
             return removed
         written: dict[int, int] = {}  # fields mask of committed rows -> how many
         for r in removed:
-            del self.keys[r.key]
+            if r.key is not None:
+                del self._named[r.key]
             if r.committed:
                 written[r.written] = written.get(r.written, 0) + 1
         for mask, n in written.items():

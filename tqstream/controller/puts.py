@@ -270,10 +270,10 @@ class Puts:
         for name in req.schemas:
             bit = p.bits.get(name, 0)
             if req.overwrite:
-                taken = [r.key for r in rows if r.pending & bit]
+                taken = [p.key_of(r) for r in rows if r.pending & bit]
                 what, advice = "being written by another put_fields in flight", "retry once it ends"
             else:
-                taken = [r.key for r in rows if (r.written | r.pending) & bit]
+                taken = [p.key_of(r) for r in rows if (r.written | r.pending) & bit]
                 what = "already written (or being written)"
                 advice = "fields cannot be overwritten: write the new values under another name"
                 if req.keys is not None:
@@ -326,8 +326,7 @@ class Puts:
         rows: list[Row | None] = []
         new: list[str] = []
         for k in keys:
-            rid = p.keys.get(k)
-            r = p.rows[rid] if rid is not None else None
+            r = p.row_of_key(k)
             if r is not None and not r.committed:
                 raise DuplicateKeyError(
                     f"key {k!r} of partition {p.name!r} is being created by a put in flight; "

@@ -202,6 +202,7 @@ class Ledger(Mapping[int, Record], Generic[Record, Ended]):
     def __init__(self, statuses: Sequence[Ended]) -> None:
         self._active: dict[int, Record] = {}
         self._ended: Finished[Ended] = Finished(statuses)
+        self._high = -1  # the highest id started: a higher one has not ended (no scan of _ended)
 
     def __getitem__(self, key: int) -> Record:
         return self._active[key]
@@ -213,9 +214,10 @@ class Ledger(Mapping[int, Record], Generic[Record, Ended]):
         return len(self._active)
 
     def _start(self, key: int, record: Record) -> None:
-        if key in self._active or self._ended.get(key) is not None:
+        if key in self._active or (key <= self._high and self._ended.get(key) is not None):
             raise ValueError(f"id {key} was used before")
         self._active[key] = record
+        self._high = max(self._high, key)
 
     def _finish(self, key: int, status: Ended) -> Record | None:
         """``key`` ends with ``status``: its record, or None when it was not in flight (ending it

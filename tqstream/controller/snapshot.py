@@ -213,7 +213,7 @@ def _partition(
     committed = {r.id for r in rows}
     table = RowsTable(
         ids=[r.id for r in rows],
-        keys=[r.key for r in rows],
+        keys=[p.key_of(r) for r in rows],
         groups=[r.group for r in rows],
         nbytes=[r.nbytes - extra.get((p.name, r.id), 0) for r in rows],
         version_start=[r.version_start for r in rows],
@@ -221,7 +221,7 @@ def _partition(
         dispatch_version=[r.dispatch_version for r in rows],
         written=[_mask_out(r.written) for r in rows],
         ready_seq=[r.ready_seq for r in rows],
-        writes=[[(_mask_out(m), s) for m, s in r.writes] for r in rows],
+        writes=[[(_mask_out(m), s) for m, s in Partition.writes_of(r)] for r in rows],
         tags=[r.tags for r in rows] if any(r.tags for r in rows) else [],
     )
     groups = []
@@ -451,6 +451,7 @@ def _build(
     if len(set(e.fields)) != len(e.fields):
         raise _corrupt(f"partition {e.name!r} lists a field twice")
     p = Partition(e.name, e.key_prefix)
+    p.next_row = e.next_row  # before the rows get their keys: see Partition.name_row
     p.declare(e.fields)
     full = (1 << len(e.fields)) - 1
     p.schemas = dict(e.schemas)
@@ -460,21 +461,23 @@ def _build(
             where = bare
         if where is None:
             raise _corrupt(f"row {rid} of partition {e.name!r} is in no storage unit's file")
-        if not 0 <= rid < e.next_row or rid in p.rows or t.keys[i] in p.keys:
+        if not 0 <= rid < e.next_row or rid in p.rows or p.row_of_key(t.keys[i]) is not None:
             raise _corrupt(f"row {rid} (key {t.keys[i]!r}) of partition {e.name!r} repeats")
-        r = Row(rid, t.keys[i], t.groups[i], where[0], t.nbytes[i], None)
+        r = Row(rid, t.groups[i], where[0], t.nbytes[i], None)
         r.replica = where[1]
         r.version_start, r.version_end = t.version_start[i], t.version_end[i]
         r.dispatch_version = t.dispatch_version[i]
         r.written = _mask_in(t.written[i])
-        r.writes = [(_mask_in(m), s) for m, s in t.writes[i]]
-        if r.written & ~full or any(m & ~full for m, _ in r.writes):
+        writes = [(_mask_in(m), s) for m, s in t.writes[i]]
+        if r.written & ~full or any(m & ~full for m, _ in writes):
             raise _corrupt(f"row {rid} of partition {e.name!r} names fields it does not have")
         if t.tags:
             r.tags = t.tags[i]
         r.committed, r.ready_seq = True, t.ready_seq[i]
+        one = [(r.written, r.ready_seq)] if r.written else []
+        r.writes = None if writes == one else writes  # see Row.writes
         p.rows[rid] = r
-        p.keys[r.key] = rid
+        p.name_row(r, t.keys[i])
         p.count_written(r.written, 1)
     p.committed = n
     for g in e.groups:
@@ -492,7 +495,7 @@ def _build(
         task.lost, task.consumed, task.tokens_masked = te.lost, te.consumed, te.tokens_masked
     if not all(rid in p.rows for ttl in e.ttl_left for rid in ttl.rows):
         raise _corrupt(f"partition {e.name!r} has a ttl for unknown rows")
-    p.next_row, p.seq, p.born = e.next_row, e.seq, e.born
+    p.seq, p.born = e.seq, e.born
     p.registered, p.ttl, p.admission = list(e.registered), e.ttl, e.admission
     p.produced, p.rejected, p.stale_dropped = e.produced, e.rejected, e.stale_dropped
     p.expired, p.freed, p.producers, p.closes = e.expired, e.freed, e.producers, e.closes

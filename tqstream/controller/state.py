@@ -312,7 +312,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             return BatchMeta(partition, [], [], [], [], [], [], [], {})
         p = self.partition(partition)
         if keys or not row_ids:
-            found = [p.rows.get(p.keys[k]) if k in p.keys else None for k in keys]
+            found = [p.row_of_key(k) for k in keys]
             named: list[Any] = keys
         else:
             found = [p.rows.get(rid) for rid in row_ids]
@@ -332,7 +332,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             fields = p.common_fields(rows)
         p.mask_of(fields)  # unknown fields raise
         for f in fields:
-            lacking = [r.key for r in rows if not r.written & p.bits[f]]
+            lacking = [p.key_of(r) for r in rows if not r.written & p.bits[f]]
             if lacking:
                 raise NotReadyError(
                     f"field {f!r} is not written for {len(lacking)} of the "
@@ -345,7 +345,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
 
     def list_keys(self, partition: str) -> list[str]:
         p = self.partition(partition)
-        return [r.key for r in p.rows.values() if r.committed]
+        return [p.key_of(r) for r in p.rows.values() if r.committed]
 
     def upsert_rows(
         self,
@@ -627,7 +627,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         return BatchMeta(
             partition=p.name,
             row_ids=[r.id for r in rows],
-            keys=[r.key for r in rows],
+            keys=[p.key_of(r) for r in rows],
             units=[r.unit for r in rows],
             groups=[r.group for r in rows],
             version_start=[r.version_start for r in rows],
