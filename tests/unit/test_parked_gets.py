@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tqstream.controller.records import Parked, ParkedGets
 from tqstream.protocol.messages import GetMeta
 
@@ -20,6 +22,15 @@ def test_a_parked_get_leaves_once_by_whichever_way_comes_first() -> None:
     assert gets.unpark(a) and not gets.unpark(a) and not gets.holds(a)
     gets.cancel("h2")
     assert gets.of("p") == [] and gets.drop_partition("q") == [c] and len(gets) == 0
+
+
+def test_a_handle_parks_one_get_at_a_time() -> None:
+    gets = ParkedGets()
+    first = parked("h1")
+    gets.park(first)
+    with pytest.raises(ValueError, match="a request handle parks one get at a time"):
+        gets.park(parked("h1", partition="q"))
+    assert gets.of("p") == [first] and gets.count("q") == 0 and len(gets) == 1
 
 
 class Handle:
