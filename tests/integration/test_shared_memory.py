@@ -196,8 +196,17 @@ def embedded() -> Iterator[Client]:
         yield client
 
 
+@pytest.fixture(params=["write", "mapped"])
+def writes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Segments written with ``write()`` (small ones) or through a mapping of the writer's own
+    (``MAPPED_WRITE_BYTES`` and larger): both carry the data alike."""
+    if request.param == "mapped":
+        monkeypatch.setattr(shm, "MAPPED_WRITE_BYTES", 0)
+    return str(request.param)
+
+
 # --- data paths ----------------------------------------------------------------------------------
-def test_put_and_get_go_through_shared_memory(embedded: Client) -> None:
+def test_put_and_get_go_through_shared_memory(embedded: Client, writes: str) -> None:
     """Every field kind round-trips; the put wrote a chunk segment and the got dense tensors are
     copy-on-write views of it (zero copy on the way out)."""
     data = rows(12)
@@ -292,7 +301,9 @@ def test_writing_a_got_tensor_does_not_change_stored_rows(embedded: Client) -> N
     assert torch.equal(embedded.get_by_keys("p", meta.keys, ["x"]).data["x"], x)
 
 
-def test_large_gather_goes_through_a_segment_that_is_unlinked(embedded: Client) -> None:
+def test_large_gather_goes_through_a_segment_that_is_unlinked(
+    embedded: Client, writes: str
+) -> None:
     """Rows spanning two chunks (>= 1 MiB gathered) come back right through a gather segment
     whose name is gone when the get returns."""
     a, b = torch.randn(GATHER_ROWS, 1024), torch.randn(GATHER_ROWS, 1024)
@@ -441,7 +452,9 @@ def test_full_dev_shm_large_gather_falls_back_to_frames(
     assert torch.equal(got, torch.cat([a, b]))
 
 
-def test_direct_put_hands_its_segment_to_the_unit_and_reuses_spares(embedded: Client) -> None:
+def test_direct_put_hands_its_segment_to_the_unit_and_reuses_spares(
+    embedded: Client, writes: str
+) -> None:
     """A put small enough for one exchange (PutRows) writes its own segment, which the unit takes
     and names after the chunk; the rows' clear recycles it as a spare, which a later put claims;
     no direct or landing segment is ever left behind."""

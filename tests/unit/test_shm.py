@@ -38,16 +38,46 @@ def path(name: str) -> str:
     return os.path.join(shm.SHM_DIR, name)
 
 
-def test_write_segment_lays_buffers_out_aligned(unit: shm.UnitSegments) -> None:
-    """Each buffer lands at a 64-byte aligned offset and reads back byte for byte."""
-    bufs = [bytes(range(10)), b"", bytes(100)]
+@pytest.fixture(params=["write", "mapped"])
+def writes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a segment is written: ``write()`` (small ones) and through a mapping of its own
+    (from ``MAPPED_WRITE_BYTES`` on)."""
+    if request.param == "mapped":
+        monkeypatch.setattr(shm, "MAPPED_WRITE_BYTES", 0)
+    return str(request.param)
+
+
+def test_write_segment_lays_buffers_out_aligned(unit: shm.UnitSegments, writes: str) -> None:
+    """Each buffer lands at a 64-byte aligned offset and reads back byte for byte, from read-only
+    bytes and from a tensor's memory alike."""
+    tensor = torch.arange(1000, dtype=torch.int64)
+    bufs = [bytes(range(10)), b"", bytes(100), memoryview(tensor.numpy()).cast("B")]
     name = shm.chunk_segment(unit.token, 1)
     regions = shm.write_segment(name, bufs)
-    assert [r.offset % 64 for r in regions] == [0, 0, 0]
-    assert [r.nbytes for r in regions] == [10, 0, 100]
+    assert [r.offset % 64 for r in regions] == [0, 0, 0, 0]
+    assert [r.nbytes for r in regions] == [10, 0, 100, 8000]
     with open(path(name), "rb") as f:
         data = f.read()
-    assert data[regions[0].offset : regions[0].offset + 10] == bufs[0]
+    for buf, r in zip(bufs, regions, strict=True):
+        assert data[r.offset : r.offset + r.nbytes] == bytes(buf)
+    assert shm._exclusive(path(name))  # no mapping of the writer's is left: it can be a spare
+    shm.unlink(name)
+
+
+def test_write_segment_into_a_claimed_spare(unit: shm.UnitSegments, writes: str) -> None:
+    """A reused spare (larger than needed, holding old bytes) gets the new bytes at the new
+    regions; its size is kept."""
+    name = shm.chunk_segment(unit.token, 3)
+    with open(path(name), "wb") as f:
+        f.write(b"\xff" * 8192)
+    bufs = [bytes(range(200)), b"\x01" * 3000]
+    regions = shm.write_segment(name, bufs, reuse=True)
+    with open(path(name), "rb") as f:
+        data = f.read()
+    assert len(data) == 8192
+    for buf, r in zip(bufs, regions, strict=True):
+        assert data[r.offset : r.offset + r.nbytes] == buf
+    assert shm._exclusive(path(name))
     shm.unlink(name)
 
 
