@@ -553,12 +553,18 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         """Delete committed rows for every task and (``order``) order their storage freed."""
         rows = p.rows
         removed = p.remove_rows([r for r in row_ids if r in rows and rows[r].committed])
+        held = self.units.bytes
+        drops: dict[int, list[int]] = {}
         for r in removed:
-            self._charge(r, -r.nbytes)
+            held[r.unit] -= r.nbytes
+            if r.replica >= 0:
+                held[r.replica] -= r.nbytes
             if order:
                 for u in (r.unit, r.replica):
                     if u >= 0:
-                        effects.drop_rows.setdefault(u, {}).setdefault(p.name, []).append(r.id)
+                        drops.setdefault(u, []).append(r.id)
+        for u, ids in drops.items():
+            effects.drop_rows.setdefault(u, {}).setdefault(p.name, []).extend(ids)
         if removed:
             self.leases.forget_rows(p.name, {r.id for r in removed})
             self._serve_parked_puts()
