@@ -148,17 +148,21 @@ class Puts:
             if created:
                 del self.partitions[req.partition]
             raise
-        for i, r in enumerate(rows):
-            if req.tags is not None:
-                r.merge_tags(req.tags[i])
-            if req.version_start is not None:
-                r.version_start = req.version_start[i]
-            if req.version_end is not None:
-                r.version_end = req.version_end[i]
-            if req.dispatch_version is not None:
-                r.dispatch_version = req.dispatch_version[i]
+        if req.tags is not None:
+            for r, tags in zip(rows, req.tags, strict=True):
+                r.merge_tags(tags)
+        if req.version_start is not None:
+            for r, v in zip(rows, req.version_start, strict=True):
+                r.version_start = v
+        if req.version_end is not None:
+            for r, v in zip(rows, req.version_end, strict=True):
+                r.version_end = v
+        if req.dispatch_version is not None:
+            for r, v in zip(rows, req.dispatch_version, strict=True):
+                r.dispatch_version = v
         per_row = req.nbytes // req.n_rows
         segments = []
+        held = self.units.bytes
         for unit, replica, start, stop in runs:
             chunk = next(self.ids)
             segments.append(
@@ -166,7 +170,9 @@ class Puts:
             )
             for r in rows[start:stop]:
                 r.unit, r.replica, r.nbytes = unit, replica, per_row
-                self._charge(r, per_row)
+            held[unit] += per_row * (stop - start)  # what _charge does row by row
+            if replica >= 0:
+                held[replica] += per_row * (stop - start)
         put = self._add_pending(
             req.partition, rows, mask, list(req.schemas), segments, True, per_row, now,
             peer_of(handle),

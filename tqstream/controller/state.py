@@ -630,10 +630,11 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         task: str | None = None,
         lease_id: int | None = None,
     ) -> BatchMeta:
+        prefix = p.key_prefix  # Partition.key_of, inlined: one per row
         return BatchMeta(
             partition=p.name,
             row_ids=[r.id for r in rows],
-            keys=[p.key_of(r) for r in rows],
+            keys=[f"{prefix}{r.id}" if r.key is None else r.key for r in rows],
             units=[r.unit for r in rows],
             groups=[r.group for r in rows],
             version_start=[r.version_start for r in rows],
