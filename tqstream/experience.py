@@ -18,8 +18,6 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tensordict import TensorDictBase
-
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Batch, Client, PadValues
 from tqstream.client.versions import row_versions
@@ -102,6 +100,8 @@ class Experience:
                 "slots= needs an admission to release them to: build the Experience with "
                 "admission=client.admission(style, ...)"
             )
+        from tensordict import TensorDictBase  # imported when first used: it takes seconds
+
         if group is not None and isinstance(data, Mapping | TensorDictBase):  # else put raises
             first = data if isinstance(data, TensorDictBase) else next(iter(data.values()), ())
             groups = [group] * len(first)

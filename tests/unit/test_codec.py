@@ -765,3 +765,21 @@ def test_packed_columns_round_trip_and_out_of_frame_refs_are_refused() -> None:
         f"column 'r': values at offset {size} of frame 1 need 4 bytes (float32[1]), "
         f"the frame has {size}"
     )
+
+
+def test_a_producer_never_loads_tensordict() -> None:
+    """Starting the embedded cluster and putting tensors, lists and strings does not import
+    tensordict (seconds of start-up); the first TensorDict read does, and a TensorDict put works
+    as ever."""
+    script = (
+        "import sys, torch, tqstream\n"
+        "c = tqstream.init(storage_units=1)\n"
+        "c.put({'x': torch.ones(4, 2), 'y': [[1, 2], [3]] * 2, 'z': list('abcd')}, 'p')\n"
+        "assert 'tensordict' not in sys.modules, 'a put imported tensordict'\n"
+        "b = c.get('p', ['x', 'y', 'z'], 4, 't')\n"
+        "assert b.data['x'].shape == (4, 2) and 'tensordict' in sys.modules\n"
+        "from tensordict import TensorDict\n"
+        "c.put(TensorDict({'x': torch.zeros(2, 2)}, batch_size=[2]), 'q')\n"
+        "c.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

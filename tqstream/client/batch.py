@@ -4,13 +4,14 @@ read is made under is a :class:`~tqstream.staleness.StalenessPolicy`."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, Self
-
-from tensordict import TensorDict
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 from tqstream.convert.tensordict import to_tensordict
 from tqstream.protocol.columns import Column
 from tqstream.types import BatchMeta
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 class BatchClient(Protocol):

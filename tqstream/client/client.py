@@ -15,9 +15,7 @@ import os
 import secrets
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-from tensordict import TensorDict
+from typing import TYPE_CHECKING, Any
 
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.batch import Batch
@@ -57,6 +55,9 @@ from tqstream.protocol.messages import (
 )
 from tqstream.staleness import StalenessPolicy
 from tqstream.types import BatchMeta, CheckpointSummary, RowListing, Stats, check_style
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 __all__ = ["Batch", "Client", "connect"]
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from tqstream.client.core import GET_GRACE
 from tqstream.client.versions import FRESH_MASK, fresh_mask, row_versions
@@ -32,6 +31,9 @@ from tqstream.protocol.messages import (
 )
 from tqstream.staleness import StalenessPolicy, check_version
 from tqstream.types import BatchMeta, Tags
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 PadValues = float | Mapping[str, float]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -61,6 +62,14 @@ _NOT_JSON = (
 )
 
 
+def _is(value: Any, *names: str) -> bool:
+    """Whether ``value`` is one of these tensordict classes. A value can be one only once its
+    module is loaded, so the check never imports tensordict (seconds, most of it torch._dynamo):
+    a producer that puts tensors and lists never pays for it."""
+    module = sys.modules.get("tensordict")
+    return module is not None and isinstance(value, tuple(getattr(module, n) for n in names))
+
+
 def columns_from_data(data: Any) -> tuple[int, dict[str, Column]]:
     """Normalize a put's input (a TensorDict or a mapping of field name to values) to columns.
 
@@ -69,9 +78,7 @@ def columns_from_data(data: Any) -> tuple[int, dict[str, Column]]:
     device-to-host copy) and made contiguous (a copy only when they were not). Returns
     ``(n_rows, columns)``.
     """
-    from tensordict import TensorDictBase
-
-    if isinstance(data, TensorDictBase):
+    if _is(data, "TensorDictBase"):
         items = [(key, data.get(key)) for key in data.keys()]  # noqa: SIM118 (td iter = rows)
     elif isinstance(data, Mapping):
         items = list(data.items())
@@ -114,17 +121,14 @@ def _column(name: str, value: Any) -> Column:
         if value.dtype.kind in "OUS":  # object / str / bytes arrays
             return _object_column(name, value.tolist())
         return _tensor_column(name, _from_numpy(name, value))
-    # imported here, past the tensors: an import statement costs ~1 µs a call even when loaded
-    from tensordict import NonTensorData, NonTensorStack, TensorDictBase
-
-    if isinstance(value, (NonTensorStack, NonTensorData)):
+    if _is(value, "NonTensorStack", "NonTensorData"):
         rows = value.tolist()  # NonTensorData with batch_size [n] repeats its value n times
         if not isinstance(rows, list):
             raise field_error(
                 BatchShapeError, name, _NO_BATCH.format(what="a single non-tensor value")
             )
         return _object_column(name, rows)
-    if isinstance(value, TensorDictBase):
+    if _is(value, "TensorDictBase"):
         msg = "nested TensorDicts are not supported; flatten them first (td.flatten_keys('.'))"
         raise field_error(SchemaError, name, msg)
     if isinstance(value, (list, tuple)):
