@@ -783,3 +783,25 @@ def test_a_producer_never_loads_tensordict() -> None:
         "c.close()\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_a_put_while_another_thread_imports_tensordict() -> None:
+    """Puts made while another thread is in the middle of importing tensordict (a consumer's
+    first TensorDict read) wait for that import instead of failing on the half-made module."""
+    script = (
+        "import sys, threading, torch\n"
+        "from tqstream.convert.inputs import columns_from_data\n"
+        "t = threading.Thread(target=lambda: __import__('tensordict'))\n"
+        "t.start()\n"
+        "while 'tensordict' not in sys.modules:\n"
+        "    pass\n"
+        "puts = 0\n"
+        "while t.is_alive() or not puts:\n"
+        "    columns_from_data({'x': torch.ones(2, 2), 'y': [[1], [2, 3]]})\n"
+        "    puts += 1\n"
+        "t.join()\n"
+        "from tensordict import TensorDict\n"
+        "n, cols = columns_from_data(TensorDict({'x': torch.ones(3)}, batch_size=[3]))\n"
+        "assert n == 3 and list(cols) == ['x']\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

@@ -67,7 +67,15 @@ def _is(value: Any, *names: str) -> bool:
     module is loaded, so the check never imports tensordict (seconds, most of it torch._dynamo):
     a producer that puts tensors and lists never pays for it."""
     module = sys.modules.get("tensordict")
-    return module is not None and isinstance(value, tuple(getattr(module, n) for n in names))
+    if module is None:
+        return False
+    try:
+        kinds = tuple(getattr(module, n) for n in names)
+    except AttributeError:  # another thread is importing it right now: wait for the import
+        import tensordict
+
+        kinds = tuple(getattr(tensordict, n) for n in names)
+    return isinstance(value, kinds)
 
 
 def columns_from_data(data: Any) -> tuple[int, dict[str, Column]]:
