@@ -56,7 +56,8 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_job() -> Iterator[None]:
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    # a cluster of its own: never one another run left on this machine
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              object_store_memory=80 * MB)  # fmt: skip
     # the actors below are defined in modules Ray's workers cannot import by name
     for module in (sys.modules[__name__], verl_samples):
