@@ -66,9 +66,7 @@ class Puts:
 
     def _charge(self, r: Row, nbytes: int) -> None:
         """Count ``nbytes`` more (or fewer) on the units holding row ``r``."""
-        self.units.bytes[r.unit] += nbytes
-        if r.replica >= 0:
-            self.units.bytes[r.replica] += nbytes
+        self.units.charge(r.unit, r.replica, nbytes)
 
     def prepare_put(
         self,
@@ -162,7 +160,6 @@ class Puts:
                 r.dispatch_version = v
         per_row = req.nbytes // req.n_rows
         segments = []
-        held = self.units.bytes
         for unit, replica, start, stop in runs:
             chunk = next(self.ids)
             segments.append(
@@ -170,9 +167,7 @@ class Puts:
             )
             for r in rows[start:stop]:
                 r.unit, r.replica, r.nbytes = unit, replica, per_row
-            held[unit] += per_row * (stop - start)  # what _charge does row by row
-            if replica >= 0:
-                held[replica] += per_row * (stop - start)
+            self.units.charge(unit, replica, per_row * (stop - start))
         put = self._add_pending(
             req.partition, rows, mask, list(req.schemas), segments, True, per_row, now,
             peer_of(handle),

@@ -553,12 +553,9 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         """Delete committed rows for every task and (``order``) order their storage freed."""
         rows = p.rows
         removed = p.remove_rows([r for r in row_ids if r in rows and rows[r].committed])
-        held = self.units.bytes
         drops: dict[int, list[int]] = {}
         for r in removed:
-            held[r.unit] -= r.nbytes
-            if r.replica >= 0:
-                held[r.replica] -= r.nbytes
+            self._charge(r, -r.nbytes)
             if order:
                 for u in (r.unit, r.replica):
                     if u >= 0:
@@ -630,11 +627,10 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         task: str | None = None,
         lease_id: int | None = None,
     ) -> BatchMeta:
-        prefix = p.key_prefix  # Partition.key_of, inlined: one per row
         return BatchMeta(
             partition=p.name,
             row_ids=[r.id for r in rows],
-            keys=[f"{prefix}{r.id}" if r.key is None else r.key for r in rows],
+            keys=[p.key_of(r) for r in rows],
             units=[r.unit for r in rows],
             groups=[r.group for r in rows],
             version_start=[r.version_start for r in rows],

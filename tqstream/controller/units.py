@@ -62,6 +62,12 @@ class UnitTable:
         self.alive[u] = True
         self.bytes[u] = 0
 
+    def charge(self, unit: int, replica: int, nbytes: int) -> None:
+        """Count ``nbytes`` more (or fewer, negative) on ``unit`` and on ``replica`` (-1: none)."""
+        self.bytes[unit] += nbytes
+        if replica >= 0:
+            self.bytes[replica] += nbytes
+
     def place(
         self, n_rows: int, nbytes: int, replicas: int = 1
     ) -> list[tuple[int, int, int, int]] | None:
