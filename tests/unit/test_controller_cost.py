@@ -52,7 +52,7 @@ def test_requests_never_scan_the_partition() -> None:
             ),
             object(),
             1,
-        )
+        )[0]
 
     for task in ("a", "b"):  # build the views once (the only scan)
         get(task, 1)
@@ -62,7 +62,7 @@ def test_requests_never_scan_the_partition() -> None:
 
     m = get("a", 64)
     assert m is not None and len(m) == 64
-    assert s.ack("p", "a", m.lease_id, m.row_ids) == 64  # type: ignore[arg-type]
+    assert s.ack("p", "a", m.lease_id, m.row_ids)[0] == 64  # type: ignore[arg-type]
     g = get("a", 8, True)
     assert g is not None and len(g) == 8
     n, _ = s.release("p", "a", g.lease_id, g.row_ids, 2)  # type: ignore[arg-type]

@@ -95,9 +95,9 @@ def test_a_revived_unit_is_told_to_drop_what_it_held() -> None:
     s = new_state(2)
     put(s, 2)
     s.lose_unit(0, 0.0)
-    s.take_effects()
-    assert s.add_unit("tcp://unit0") == 0 and s.units.alive[0]
-    [(unit, before)] = s.take_effects().reset_units
+    revived, effects = s.add_unit("tcp://unit0")
+    assert revived == 0 and s.units.alive[0]
+    [(unit, before)] = effects.reset_units
     assert unit == 0 and before > 0
 
 
@@ -108,7 +108,7 @@ def test_a_direct_put_to_a_replicated_partition_must_be_placed() -> None:
     with pytest.raises(PlacementRequiredError):
         s.put_stored(req, 0, 0.0)
     s.lose_unit(1, 0.0)  # one unit left: one copy is all there can be, stored directly
-    assert s.put_stored(req, 0, 0.0) is not None
+    assert s.put_stored(req, 0, 0.0)[0] is not None
 
 
 def test_a_gone_peer_gives_back_leases_parked_gets_puts_and_slots() -> None:
@@ -124,13 +124,13 @@ def test_a_gone_peer_gives_back_leases_parked_gets_puts_and_slots() -> None:
     assert s.acquire(acquire, 0.0, dead) == [1, 2]
     assert s.acquire(acquire, 0.0, live) is None  # parked: both slots are taken
     effects = s.drop_peer(b"dead", 0.0)
+    [(handle, slots)] = effects.replies  # the live parked acquire got the slots
+    assert handle is live and len(slots.slot_ids) == 2
     assert len(s.parked) == 0
     assert plan.put_id not in s.puts and effects.drop_chunks  # rolled back
     assert s.stats("p")["p"].tasks["t"].available == 2
     with pytest.raises(LeaseExpiredError, match="connection that took it dropped"):
         s.ack("p", "t", leased.lease_id, leased.row_ids[:1])
-    [(handle, slots)] = s.take_effects().replies  # the live parked acquire got the slots
-    assert handle is live and len(slots.slot_ids) == 2
     assert s.admission_stats()["adm"]["rejected"] == 2
 
 

@@ -529,7 +529,7 @@ class ControllerMachine(RuleBasedStateMachine):
         if unit is None:
             plan = self.s.prepare_put(req, self.now)
         else:  # the unit holds the data: placed there and committed in one step
-            stored = self.s.put_stored(req, unit, self.now)
+            stored, stored_effects = self.s.put_stored(req, unit, self.now)
             assert stored is not None
             segment = PlanSegment(unit=unit, chunk=stored.chunk, start=0, stop=n)
             plan = PutPlan(rid=0, put_id=-stored.chunk, row_ids=stored.meta.row_ids,
@@ -576,7 +576,7 @@ class ControllerMachine(RuleBasedStateMachine):
             self.finish_put(plan.put_id, fate)
         else:
             assert stored is not None and not self.s.puts.get(plan.put_id)
-            self.committed(self.puts.pop(plan.put_id), stored.meta, self.s.take_effects())
+            self.committed(self.puts.pop(plan.put_id), stored.meta, stored_effects)
 
     @precondition(lambda self: any(p.rows for p in self.parts.values()))
     @rule(data=st.data())
@@ -680,7 +680,7 @@ class ControllerMachine(RuleBasedStateMachine):
         handle = next(self.handles)
         part = self.parts.get(name)
 
-        def call() -> BatchMeta | None:
+        def call() -> tuple[BatchMeta | None, Effects]:
             return self.s.get_meta(req, handle, self.now)
 
         if batch_size <= 0:
@@ -689,14 +689,13 @@ class ControllerMachine(RuleBasedStateMachine):
             return self.refused(call, UnknownPartitionError)
         if not set(fields) <= part.known:
             return self.refused(call, UnknownFieldError)
-        if timeout == 0.0:
-            try:
-                meta = call()
-            except RequestTimeoutError:
-                assert not self.servable(part, req)
-                return
-        else:
-            meta = call()
+        meta, effects = call()
+        if timeout == 0.0 and meta is None:  # it cannot wait: it fails, and nothing else
+            [(to, error)] = effects.failed
+            assert to == handle and isinstance(error, RequestTimeoutError)
+            assert not self.servable(part, req) and effects == Effects(failed=effects.failed)
+            return
+        assert not effects, f"a get made effects: {effects}"
         event(f"get_meta {'parked' if meta is None else 'served'} (whole_groups={whole})")
         if meta is None:
             deadline = None if timeout is None else self.now + timeout
@@ -732,7 +731,7 @@ class ControllerMachine(RuleBasedStateMachine):
             before = self.snapshot()
             try:
                 out = call()
-                assert out in (0, (0, Effects()))
+                assert out == (0, Effects())
             except LeaseError:
                 pass
             assert self.snapshot() == before
@@ -741,12 +740,14 @@ class ControllerMachine(RuleBasedStateMachine):
             return self.refused(call, error)
         out = call()
         if op == "ack":
+            out, effects = out
             assert out == len(applies), f"ack counted {out}, expected {len(applies)}"
+            assert not effects, f"an ack made effects: {effects}"
             if applies:
                 self.end_lease_rows(lease, applies, "acked")
             if lease.status == "acked" and (task, partition) == (lease.task, lease.part):
                 # acking again is harmless
-                assert self.s.ack(partition, task, lease.id, rows) == 0
+                assert self.s.ack(partition, task, lease.id, rows)[0] == 0
         else:
             n, effects = out
             assert n == len(applies)
@@ -975,7 +976,7 @@ class ControllerMachine(RuleBasedStateMachine):
                             task=task,
                             timeout=0.0,
                         )
-                        meta = s.get_meta(req, handle, self.now)
+                        meta, _ = s.get_meta(req, handle, self.now)
                         assert meta is not None and set(meta.row_ids) == unacked, (
                             f"task {task!r} drained {meta and sorted(meta.row_ids)} of field "
                             f"{f!r}, expected its un-acked rows {sorted(unacked)}"
@@ -989,8 +990,9 @@ class ControllerMachine(RuleBasedStateMachine):
                         task=task,
                         timeout=0.0,
                     )
-                    with pytest.raises(RequestTimeoutError):
-                        s.get_meta(more, handle, self.now)
+                    meta, effects = s.get_meta(more, handle, self.now)
+                    [(_, error)] = effects.failed
+                    assert meta is None and isinstance(error, RequestTimeoutError)
         for put_id in list(self.puts):
             s.abort(put_id)
         for name in list(s.partitions):

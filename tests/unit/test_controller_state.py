@@ -107,7 +107,13 @@ def req(
 
 
 def get(s: ControllerState, *args: Any, now: float = 0.0, handle: Any = None, **kw: Any) -> Any:
-    return s.get_meta(req(*args, **kw), next(_handles) if handle is None else handle, now)
+    """``get_meta``'s rows, or None when it parked; a get that cannot wait raises its error."""
+    handle = next(_handles) if handle is None else handle
+    meta, effects = s.get_meta(req(*args, **kw), handle, now)
+    for to, error in effects.failed:
+        if to == handle:
+            raise error
+    return meta
 
 
 def snapshot(s: ControllerState) -> Any:
@@ -578,11 +584,11 @@ def test_lease_ack_lifecycle() -> None:
     m = get(s, batch_size=3)
     assert m.task == "actor" and m.lease_id is not None and m.row_ids == [0, 1, 2]
     assert task_stats(s, "actor") == (1, 3, 0)
-    assert s.ack("p", "actor", m.lease_id, m.row_ids[:1]) == 1  # partial ack
+    assert s.ack("p", "actor", m.lease_id, m.row_ids[:1])[0] == 1  # partial ack
     assert task_stats(s, "actor") == (1, 2, 1)
-    assert s.ack("p", "actor", m.lease_id, m.row_ids) == 2  # the rest (row 0 again: harmless)
+    assert s.ack("p", "actor", m.lease_id, m.row_ids)[0] == 2  # the rest (row 0 again: harmless)
     assert task_stats(s, "actor") == (1, 0, 3)
-    assert s.ack("p", "actor", m.lease_id, m.row_ids) == 0  # ack twice: harmless
+    assert s.ack("p", "actor", m.lease_id, m.row_ids)[0] == 0  # ack twice: harmless
     m2 = get(s, batch_size=1)
     assert m2.row_ids == [3]
     assert get(s, batch_size=1, timeout=None) is None  # acked rows never come back
@@ -655,7 +661,7 @@ def test_lease_expiry_makes_rows_available_and_late_ack_fails() -> None:
     )
     with pytest.raises(LeaseExpiredError):
         s.release("p", "actor", m.lease_id, [m.row_ids[1]], 6.0)
-    assert s.ack("p", "actor", m.lease_id, [m.row_ids[0]]) == 0  # the acked part: harmless
+    assert s.ack("p", "actor", m.lease_id, [m.row_ids[0]])[0] == 0  # the acked part: harmless
     again = get(s, batch_size=2, now=6.0)
     assert again.row_ids == [1, 2]  # the expired row is back, in its old place
 
@@ -917,8 +923,8 @@ def test_clear_samples_removes_rows_for_every_task() -> None:
     assert s.stats("p")["p"].rows == 2
     assert task_stats(s, "actor") == (1, 1, 0)
     assert task_stats(s, "critic") == (2, 0, 0)
-    assert s.ack("p", "actor", a.lease_id, a.row_ids) == 1  # the cleared row is ignored
-    assert s.ack("p", "critic", c.lease_id, c.row_ids) == 0  # acked before, row cleared since
+    assert s.ack("p", "actor", a.lease_id, a.row_ids)[0] == 1  # the cleared row is ignored
+    assert s.ack("p", "critic", c.lease_id, c.row_ids)[0] == 0  # acked before, row cleared since
     assert sum(s.units.bytes) == 20
     s.clear_samples("p", [1, 3])
     assert s.units.bytes == [0, 0]
@@ -967,7 +973,7 @@ def test_clear_partition_fails_parked_and_cancels_puts() -> None:
         seg.chunk for seg in fields_plan.segments
     ]
     assert s.units.bytes == [0, 0]
-    assert s.ack("p", "actor", m.lease_id, m.row_ids) == 0  # lease ended 'cleared'
+    assert s.ack("p", "actor", m.lease_id, m.row_ids)[0] == 0  # lease ended 'cleared'
     effects = s.clear_partition("p")  # clearing again, like a second ack, is harmless
     assert effects == Effects() and "p" not in s.partitions
 
@@ -983,7 +989,7 @@ def test_cleared_partition_can_be_put_to_again() -> None:
     # incarnation can never hit the new rows at a storage unit
     assert get(s, batch_size=2).row_ids == [2, 3]
     # a double ack of the old lease stays harmless
-    assert s.ack("p", "actor", m.lease_id, m.row_ids) == 0
+    assert s.ack("p", "actor", m.lease_id, m.row_ids)[0] == 0
 
 
 def test_put_fields_rolled_back_after_its_rows_were_cleared_keeps_bytes_exact() -> None:
@@ -1053,15 +1059,13 @@ def stored_req(n: int, nbytes: int = 8, partition: str = "p", **kw: Any) -> Prep
 def test_a_stored_put_lands_on_its_unit_committed_and_leaves_no_deadline() -> None:
     s = new_state(units=3)
     s.create_partition("p", ["a"])
-    parked = s.get_meta(GetMeta(rid=0, partition="p", fields=["a"], batch_size=2, task="t",
-                                timeout=None), "reader", 0.0)  # fmt: skip
-    assert parked is None
-    reply = s.put_stored(stored_req(2, nbytes=16), 2, 0.0)
+    assert get(s, ("a",), 2, task="t", handle="reader") is None
+    reply, effects = s.put_stored(stored_req(2, nbytes=16), 2, 0.0)
     assert reply is not None and reply.meta.units == [2, 2] and reply.meta.row_ids == [0, 1]
     assert s.units.bytes == [0, 0, 16] and not s.puts
     # no put_timeout to watch for a put committed in the same step (only the lease just given)
     assert [kind for _, kind, _ in s.deadlines.entries()] == ["lease"]
-    ((handle, meta),) = s.take_effects().served  # the parked reader got the rows at once
+    ((handle, meta),) = effects.served  # the parked reader got the rows at once
     assert handle == "reader" and meta.row_ids == [0, 1]
 
 
@@ -1081,15 +1085,15 @@ def test_a_stored_put_waits_for_room_on_its_own_unit() -> None:
     s.add_unit("u0", max_bytes=100)
     s.add_unit("u1", max_bytes=100)
     s.create_partition("p", ["a"], tasks=["t"])
-    first = s.put_stored(stored_req(1, nbytes=80), 0, 0.0)
+    first, _ = s.put_stored(stored_req(1, nbytes=80), 0, 0.0)
     assert first is not None
     # unit 1 has room, but the data is on unit 0: the put waits for room there
-    assert s.put_stored(stored_req(1, nbytes=40, timeout=5.0), 0, 1.0, "producer") is None
+    assert s.put_stored(stored_req(1, nbytes=40, timeout=5.0), 0, 1.0, "producer")[0] is None
     assert s.puts.parked("producer").pinned == 0
-    meta = s.get_meta(GetMeta(rid=0, partition="p", fields=["a"], batch_size=1, task="t"), "r", 2.0)
+    meta = get(s, ("a",), 1, task="t", now=2.0)
     assert meta is not None
-    s.ack("p", "t", meta.lease_id, meta.row_ids)  # frees unit 0's 80 bytes
-    ((handle, reply),) = s.take_effects().replies
+    _, effects = s.ack("p", "t", meta.lease_id, meta.row_ids)  # frees unit 0's 80 bytes
+    ((handle, reply),) = effects.replies
     assert handle == "producer" and reply.meta.units == [0] and s.units.bytes == [40, 0]
     with pytest.raises(CapacityError, match="can never fit on storage unit 1, whose quota is 100"):
         s.put_stored(stored_req(1, nbytes=150), 1, 3.0)
@@ -1116,9 +1120,9 @@ def test_ended_leases_and_puts_leave_the_deadline_heap() -> None:
         now = float(i)
         put(s, 1, now=now)
         req = GetMeta(rid=0, partition="p", task="t", fields=["a"], batch_size=1)
-        got = s.get_meta(req, next(_handles), now)
+        got, _ = s.get_meta(req, next(_handles), now)
         assert got is not None and got.lease_id is not None
-        assert s.ack("p", "t", got.lease_id, got.row_ids) == 1
+        assert s.ack("p", "t", got.lease_id, got.row_ids)[0] == 1
     assert sum(1 for e in s.deadlines.entries() if s._live(*e)) == 0
     assert len(s.deadlines) < 2 * COMPACT_MIN  # not 8 * COMPACT_MIN: ended entries were swept
 
@@ -1204,11 +1208,11 @@ def test_reset_consumption_ends_leases_and_rebuilds_the_views() -> None:
     leased = get(s, batch_size=1)
     acked = get(s, batch_size=1)
     s.ack("p", "actor", acked.lease_id, acked.row_ids)
-    assert s.reset_consumption("p", "actor", 0.0) == 2
-    assert s.ack("p", "actor", leased.lease_id, leased.row_ids) == 0  # ended: harmless
+    assert s.reset_consumption("p", "actor", 0.0)[0] == 2
+    assert s.ack("p", "actor", leased.lease_id, leased.row_ids)[0] == 0  # ended: harmless
     assert sorted(get(s, batch_size=3).row_ids) == [0, 1, 2]
-    assert s.reset_consumption("p", None, 0.0) == 3
-    assert s.reset_consumption("p", "never-read", 0.0) == 0
+    assert s.reset_consumption("p", None, 0.0)[0] == 3
+    assert s.reset_consumption("p", "never-read", 0.0)[0] == 0
     with pytest.raises(UnknownPartitionError):
         s.reset_consumption("nope", None, 0.0)
 

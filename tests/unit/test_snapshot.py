@@ -223,8 +223,8 @@ def test_registered_tasks_still_free_rows() -> None:
     s.ack("p", "A", m.lease_id, m.row_ids)
     back = restored(saved(s), 1)
     m = get(back, ("a",), 2, "B")
-    back.ack("p", "B", m.lease_id, m.row_ids)
-    assert back.stats("p")["p"].rows == 0 and back.take_effects().drop_rows == {0: {"p": [0, 1]}}
+    _, effects = back.ack("p", "B", m.lease_id, m.row_ids)
+    assert back.stats("p")["p"].rows == 0 and effects.drop_rows == {0: {"p": [0, 1]}}
     assert back.units.bytes == [0]
 
 
@@ -299,7 +299,7 @@ def test_empty_partitions_of_the_same_name_are_replaced_unless_put_to_meanwhile(
     fresh = new_state(2)
     fresh.create_partition("p", ["a", "zzz"], tasks=["T"])  # declared at start-up, empty
     handle = object()
-    assert fresh.get_meta(req(("a",), 1, "T"), handle, 0.0) is None  # a get waits on it
+    assert fresh.get_meta(req(("a",), 1, "T"), handle, 0.0)[0] is None  # a get waits on it
     effects = restore(fresh, snap, 0.0)
     assert [h for h, _ in effects.failed] == [handle] and not effects.drop_partitions
     assert "zzz" not in fresh.partitions["p"].bits and fresh.partitions["p"].registered == []

@@ -92,12 +92,16 @@ class Windows(RuleBasedStateMachine):
             measure=measure,
             on_stale="drop" if drop else "keep",
         )
-        try:
-            meta = self.s.get_meta(req, object(), 0)
-        except Exception as exc:  # not servable now
-            assert type(exc).__name__ == "RequestTimeoutError"
-            meta = None
+        handle = object()
+        meta, effects = self.s.get_meta(req, handle, 0)
+        if meta is None:  # not servable now: it fails through the effects
+            [(to, error)] = effects.failed
+            assert to is handle and type(error).__name__ == "RequestTimeoutError"
         gone = set(before) - set(p.rows)
+        # the evicted rows' storage is ordered freed, served or not
+        assert sorted(
+            r for rows in effects.drop_rows.values() for r in rows.get("p", [])
+        ) == sorted(gone)
         for rid in gone:  # only stale rows (or members of a stale group) are evicted, with drop
             mates = [m for m in before if group[m] is not None and group[m] == group[rid]]
             assert drop and (stale(rid) or (whole and any(stale(m) for m in mates)))

@@ -87,6 +87,7 @@ class Deadlines:
             self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
         ) -> list[Any]: ...
         def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
+        def settle(self, effects: Effects, now: float) -> Effects: ...
         def _timeout_error(self, p: Partition, req: Any) -> Any: ...
         def _acquire_timeout(self, req: Acquire, waited: float) -> Any: ...
         def _capacity_error(self, req: PreparePut, waited: float) -> Any: ...
@@ -139,11 +140,13 @@ class Deadlines:
                 owner: Partition = ref[0]
                 if self.partitions.get(owner.name) is owner:  # not cleared and re-created since
                     owner.expired += len(self._evict(owner, ref[1], effects))
+                    self.settle(effects, now)  # puts waiting for room, before their deadlines
             elif kind == "put":
                 put = self.puts.get(ref)
                 if put is not None:
                     self.puts.end(ref, "cleared" if put.cancelled else "expired")
                     self._rollback(put, effects)
+                    self.settle(effects, now)
             else:
                 parked: Parked = ref
                 if parked.req.partition in touched:  # rows given back before this timeout
@@ -152,6 +155,5 @@ class Deadlines:
                 if self.parked.unpark(parked):
                     p = self.partitions[parked.req.partition]
                     effects.failed.append((parked.handle, self._timeout_error(p, parked.req)))
-        for name in touched:
-            self._serve_parked(name, effects, now)
-        return effects
+        effects.touched |= touched
+        return self.settle(effects, now)

@@ -42,7 +42,7 @@ class Faults:
     parked: ParkedGets
     admissions: AdmissionTable
     budgets: Budgets
-    outbox: Effects
+    now: float
     ids: itertools.count[int]
 
     if TYPE_CHECKING:
@@ -51,9 +51,7 @@ class Faults:
         def _evict(
             self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
         ) -> list[Row]: ...
-        def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
-        def _serve_parked_puts(self) -> None: ...
-        def _wake_acquires(self, name: str) -> None: ...
+        def settle(self, effects: Effects, now: float) -> Effects: ...
 
     # --- units ---
     def lose_unit(self, u: int, now: float) -> Effects:
@@ -83,20 +81,22 @@ class Faults:
             p.lost += len(removed)
             self.units.lost_rows[u] += len(removed)
             if p.closed:  # parked gets may now learn that the partition is drained
-                self._serve_parked(p.name, effects, now)
+                effects.touched.add(p.name)
         self.units.lose(u)
-        self._serve_parked_puts()  # puts waiting for room on it fail; the others replan
-        return effects
+        effects.room = True  # puts waiting for room on it fail; the others replan
+        return self.settle(effects, now)
 
-    def revive_unit(self, u: int) -> None:
+    def revive_unit(self, u: int) -> Effects:
         """Unit ``u`` is reachable again (or registered again at its address): it takes new rows.
         The controller gave its rows up when it was lost, so the unit is told to drop every chunk
         older than now (``Effects.reset_units``); chunks of new puts are younger."""
+        effects = Effects()
         if self.units.alive[u]:
-            return
+            return effects
         self.units.revive(u)
-        self.outbox.reset_units.append((u, next(self.ids)))
-        self._serve_parked_puts()
+        effects.reset_units.append((u, next(self.ids)))
+        effects.room = True
+        return self.settle(effects, self.now)
 
     # --- peers ---
     def drop_peer(self, peer: Any, now: float) -> Effects:
@@ -122,8 +122,7 @@ class Faults:
         for name, mine in self.admissions.take_peer(peer).items():
             if name in self.admissions:
                 self.admissions[name].admission.release(mine, "rejected")
-                self._wake_acquires(name)
+                effects.woken.add(name)
         self.budgets.drop_peer(peer)
-        for name in touched:
-            self._serve_parked(name, effects, now)
-        return effects
+        effects.touched |= touched
+        return self.settle(effects, now)

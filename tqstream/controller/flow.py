@@ -50,12 +50,12 @@ class FlowControl:
     budgets: Budgets
     puts: PutBook
     units: UnitTable
-    outbox: Effects
     now: float
 
     if TYPE_CHECKING:
 
         def schedule(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
+        def settle(self, effects: Effects, now: float) -> Effects: ...
 
         def prepare_put(
             self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
@@ -68,7 +68,7 @@ class FlowControl:
             now: float,
             handle: Any = None,
             since: float | None = None,
-        ) -> StoredReply | None: ...
+        ) -> tuple[StoredReply | None, Effects]: ...
 
     def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
         units = self.units
@@ -86,7 +86,7 @@ class FlowControl:
             free=free,
         )
 
-    def _serve_parked_puts(self) -> None:
+    def _serve_parked_puts(self, effects: Effects) -> None:
         """Bytes were freed: retry waiting puts in arrival order."""
         for handle, _ in self.puts.waiting():
             waiting = self.puts.unpark(handle)
@@ -98,12 +98,13 @@ class FlowControl:
                 if unit is None:
                     reply: Any = self.prepare_put(req, now, handle, since)
                 else:
-                    reply = self.put_stored(req, unit, now, handle, since)
+                    reply, more = self.put_stored(req, unit, now, handle, since)
+                    effects.extend(more)
             except TQStreamError as exc:
-                self.outbox.failed.append((handle, exc))
+                effects.failed.append((handle, exc))
                 continue
             if reply is not None:
-                self.outbox.replies.append((handle, reply))
+                effects.replies.append((handle, reply))
 
     # --- admission ---
     def create_admission(self, name: str, style: str, config: dict[str, int]) -> None:
@@ -164,23 +165,23 @@ class FlowControl:
             name=req.name,
         )
 
-    def _wake_acquires(self, name: str) -> None:
+    def _wake_acquires(self, name: str, effects: Effects) -> None:
         adm = self.admissions.admission(name)
         for handle, (req, _) in self.admissions.waiting(name):
             granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
             if granted:
                 self.admissions.unpark(handle)
                 self.admissions.own(name, granted, peer_of(handle))
-                self.outbox.replies.append((handle, Slots(rid=0, slot_ids=granted)))
+                effects.replies.append((handle, Slots(rid=0, slot_ids=granted)))
 
-    def release_slots(self, name: str, slot_ids: list[int], outcome: str) -> None:
+    def release_slots(self, name: str, slot_ids: list[int], outcome: str) -> Effects:
         self.admissions.admission(name).release(slot_ids, outcome)
         self.admissions.disown(name, slot_ids)
-        self._wake_acquires(name)
+        return self.settle(Effects(woken={name}), self.now)
 
     def admission_version(
         self, name: str, version: int, recovered: bool, reset: bool = False
-    ) -> None:
+    ) -> Effects:
         adm = self.admissions.admission(name)
         if reset:
             if not isinstance(adm, SlotAdmission):
@@ -195,7 +196,7 @@ class FlowControl:
             self.admissions.void(name)
         else:
             adm.on_version(version)
-        self._wake_acquires(name)
+        return self.settle(Effects(woken={name}), self.now)
 
     def admission_info(
         self, name: str, version: int | None, enqueued: int
@@ -231,7 +232,7 @@ class FlowControl:
             state["capacity"] = budget.capacity(req.version)
         return state
 
-    def _budget_back(self, p: Partition, dropped: int) -> None:
+    def _budget_back(self, p: Partition, dropped: int, effects: Effects) -> None:
         """Stale evictions of a partition fed by a capacity admission or a StalenessManager
         budget return their budget."""
         name = p.admission
@@ -240,7 +241,7 @@ class FlowControl:
         entry = self.admissions.get(name)
         if entry is not None and isinstance(entry.admission, CapacityAdmission):
             entry.admission.on_dropped(dropped)
-            self._wake_acquires(name)
+            effects.woken.add(name)
         elif name in self.budgets:
             self.budgets.by_name[name].on_dropped(dropped)
 

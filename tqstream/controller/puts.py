@@ -49,7 +49,6 @@ class Puts:
     put_timeout: float
     max_rows: int
     now: float
-    outbox: Effects
     ids: itertools.count[int]
 
     if TYPE_CHECKING:
@@ -57,8 +56,7 @@ class Puts:
         def schedule(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
         def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError: ...
         def partition(self, name: str) -> Partition: ...
-        def _serve_parked_puts(self) -> None: ...
-        def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
+        def settle(self, effects: Effects, now: float) -> Effects: ...
         def _rows(self, p: Partition, row_ids: list[int]) -> list[Row]: ...
         def _meta(self, p: Partition, rows: list[Row], fields: list[str]) -> BatchMeta: ...
         def create_partition(self, name: str, fields: list[str]) -> None: ...
@@ -77,7 +75,8 @@ class Puts:
         pinned: int | None = None,
     ) -> PutPlan | None:
         """Validate and reserve; with ``handle``, a put that does not fit the units' byte quotas
-        waits (returns None; answered later through ``take_effects``) up to ``req.timeout``.
+        waits (returns None; answered later through the ``Effects`` of the call that frees room) up
+        to ``req.timeout``.
         ``since``: when a waiting put first asked (its timeout counts from then). ``pinned``: the
         rows go to that unit only (its data is there already, see :meth:`put_stored`)."""
         self.now = max(self.now, now)
@@ -379,7 +378,7 @@ class Puts:
         self.puts.end(put_id, "cleared" if put.cancelled else "committed")
         if put.cancelled:
             self._rollback(put, effects)
-            return None, effects  # the service sends the drops, then raises the error
+            return None, self.settle(effects, now)  # the service sends the drops, then raises
         p = self.partitions[put.partition]
         if put.new_rows:
             p.commit_rows(put.rows, put.mask)
@@ -415,12 +414,13 @@ class Puts:
                 p.produced += len(fresh)
                 if p.ttl is not None:
                     self.schedule(now + p.ttl, "ttl", (p, [r.id for r in fresh]))
-        self._serve_parked(put.partition, effects, now)
+        effects.touched.add(put.partition)
+        meta = None
         if put.new_rows:
-            return self._meta(p, put.rows, put.fields), effects
-        if put.keyed:
-            return self._meta(p, put.rows, p.common_fields(put.rows)), effects
-        return None, effects
+            meta = self._meta(p, put.rows, put.fields)
+        elif put.keyed:
+            meta = self._meta(p, put.rows, p.common_fields(put.rows))
+        return meta, self.settle(effects, now)
 
     def put_stored(
         self,
@@ -429,17 +429,16 @@ class Puts:
         now: float,
         handle: Any = None,
         since: float | None = None,
-    ) -> StoredReply | None:
+    ) -> tuple[StoredReply | None, Effects]:
         """A put whose columns storage unit ``unit`` already holds (``PutRows``): its rows are
         placed on that unit and committed in one step, or the put waits for room there like any
         put (None). Refused puts change nothing; the unit then drops the columns."""
         plan = self.prepare_put(req, now, handle, since, unit)
         if plan is None:
-            return None
+            return None, Effects()
         meta, effects = self.commit(plan.put_id, now)
-        self.outbox.extend(effects)
         assert meta is not None  # a new put's rows, committed in the same step
-        return StoredReply(rid=req.rid, chunk=plan.segments[0].chunk, meta=meta)
+        return StoredReply(rid=req.rid, chunk=plan.segments[0].chunk, meta=meta), effects
 
     def put_error(self, put_id: int) -> TQStreamError:
         status = self.puts.status(put_id)
@@ -470,7 +469,7 @@ class Puts:
         put = self.puts.end(put_id, "aborted")
         if put is not None:
             self._rollback(put, effects)
-        return effects
+        return self.settle(effects, self.now)
 
     def _rollback(self, put: PendingPut, effects: Effects) -> None:
         for unit, chunk in put.chunks:
@@ -491,4 +490,4 @@ class Puts:
                 r.nbytes -= put.per_row
                 self._charge(r, -put.per_row)
         p.forget_unused_schemas(put.fields, self.puts.fields_in_flight(put.partition))
-        self._serve_parked_puts()
+        effects.room = True

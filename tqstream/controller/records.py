@@ -132,6 +132,13 @@ class Effects:
     reset_units: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # unit -> chunks of committed overwrites: their staged values replace the old ones
     publish: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # Signals between the parts of the state, settled before the effects leave it
+    # (ControllerState.settle): partitions whose parked gets may be served now, whether bytes or
+    # rows were freed (puts waiting for room try again), admissions whose parked acquires may be
+    # granted now.
+    touched: set[str] = dataclasses.field(default_factory=set)
+    room: bool = False
+    woken: set[str] = dataclasses.field(default_factory=set)
 
     def extend(self, other: Effects) -> None:
         self.served += other.served
@@ -147,6 +154,9 @@ class Effects:
         self.reset_units += other.reset_units
         for unit, chunks in other.publish.items():
             self.publish.setdefault(unit, []).extend(chunks)
+        self.touched |= other.touched
+        self.room = self.room or other.room
+        self.woken |= other.woken
 
     def __bool__(self) -> bool:
         return bool(

@@ -214,7 +214,8 @@ class ControllerService:
         try:
             match msg:
                 case GetMeta():
-                    meta = s.get_meta(msg, responder, now)
+                    meta, effects = s.get_meta(msg, responder, now)
+                    self._apply(effects)  # a get that cannot wait fails through them
                     return None if meta is None else MetaReply(rid=msg.rid, meta=meta)
                 case PreparePut():
                     return s.prepare_put(msg, now, responder)
@@ -223,10 +224,11 @@ class ControllerService:
                     for i, put in enumerate(msg.puts):
                         one = results.part(i)
                         try:
-                            stored = s.put_stored(put, msg.unit, now, one)
+                            stored, effects = s.put_stored(put, msg.unit, now, one)
                         except TQStreamError as exc:
                             one.fail(exc)
                             continue
+                        self._apply(effects)
                         if stored is not None:  # else it waits for room: answered later
                             one.reply(stored)
                     return None  # answered by ``results`` once every put is
@@ -244,8 +246,9 @@ class ControllerService:
                     self._apply(s.abort(msg.put_id))
                     return Ok(rid=msg.rid)
                 case Ack():
-                    n = s.ack(msg.partition, msg.task, msg.lease_id, msg.row_ids,
-                              msg.tokens_masked)  # fmt: skip
+                    n, effects = s.ack(msg.partition, msg.task, msg.lease_id, msg.row_ids,
+                                       msg.tokens_masked)  # fmt: skip
+                    self._apply(effects)
                     return Ok(rid=msg.rid, count=n)
                 case Release():
                     n, effects = s.release(msg.partition, msg.task, msg.lease_id, msg.row_ids, now)
@@ -266,7 +269,8 @@ class ControllerService:
                         rid=msg.rid, rows=s.list_rows(msg.partition, msg.fields, msg.task)
                     )
                 case ResetConsumption():
-                    n = s.reset_consumption(msg.partition, msg.task, now)
+                    n, effects = s.reset_consumption(msg.partition, msg.task, now)
+                    self._apply(effects)
                     return Ok(rid=msg.rid, count=n)
                 case CreatePartition():
                     s.create_partition(
@@ -288,10 +292,12 @@ class ControllerService:
                     slots = s.acquire(msg, now, responder)
                     return None if slots is None else Slots(rid=msg.rid, slot_ids=slots)
                 case ReleaseSlots():
-                    s.release_slots(msg.name, msg.slot_ids, msg.outcome)
+                    self._apply(s.release_slots(msg.name, msg.slot_ids, msg.outcome))
                     return Ok(rid=msg.rid)
                 case AdmissionVersion():
-                    s.admission_version(msg.name, msg.version, msg.recovered, msg.reset)
+                    self._apply(
+                        s.admission_version(msg.name, msg.version, msg.recovered, msg.reset)
+                    )
                     return Ok(rid=msg.rid)
                 case AdmissionInfo():
                     state, capacity = s.admission_info(msg.name, msg.version, msg.enqueued)
@@ -323,7 +329,6 @@ class ControllerService:
                         f"storage unit"
                     )
         finally:
-            self._apply(s.take_effects())  # evictions, frees, woken puts and acquires
             self._rearm()
 
     # --- effects ---
@@ -394,11 +399,8 @@ class ControllerService:
         s = self.state
         s.now = max(s.now, now)
         try:
-            effects = change(now)
-            if effects is not None:
-                self._apply(effects)
+            self._apply(change(now))
         finally:
-            self._apply(s.take_effects())
             self._rearm()
 
     def _peer_gone(self, peer: bytes) -> None:
@@ -449,7 +451,6 @@ class ControllerService:
     def _on_timer(self) -> None:
         self._timer = self._timer_at = None
         self._apply(self.state.expire(asyncio.get_running_loop().time()))
-        self._apply(self.state.take_effects())
         self._rearm()
 
     async def _sample(self) -> Sample:
@@ -461,9 +462,14 @@ class ControllerService:
         return Sample(reply.stats, self.state, self.server, self.drop_failures, self.metrics)
 
     # --- units and stats ---
+    def _add_unit(self, address: str, max_bytes: int) -> int:
+        unit, effects = self.state.add_unit(address, max_bytes)
+        self._apply(effects)  # a lost unit registering again: it drops what it held
+        return unit
+
     async def _register(self, rid: int, address: str, max_bytes: int, inproc: str) -> Registered:
         if address in self.state.units.addresses:  # a restarted unit, or a repeated register
-            return Registered(rid=rid, unit=self.state.add_unit(address, max_bytes))
+            return Registered(rid=rid, unit=self._add_unit(address, max_bytes))
         conn = await Connection.open(
             self.ctx,
             inproc or address,
@@ -475,8 +481,8 @@ class ControllerService:
         )
         if address in self.state.units.addresses:  # registered twice at once: keep the first
             conn.close()
-            return Registered(rid=rid, unit=self.state.add_unit(address, max_bytes))
-        unit = self.state.add_unit(address, max_bytes)
+            return Registered(rid=rid, unit=self._add_unit(address, max_bytes))
+        unit = self._add_unit(address, max_bytes)
         assert unit == len(self.units)
         _log.info("storage unit %d registered at %s", unit, address)
         conn.on_down = lambda: self._unit_down(unit)

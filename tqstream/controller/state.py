@@ -82,22 +82,34 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         self.parked = ParkedGets()
         self.deadlines = DeadlineHeap(self._live)
         self.ids = itertools.count(1)  # put, lease, chunk and partition-incarnation ids
-        self.outbox = Effects()  # effects of calls that return something else; see take_effects
         self.next_rows: dict[str, int] = {}  # first row id of a re-created partition
 
-    def take_effects(self) -> Effects:
-        """Effects accumulated by calls since the last take (evictions, frees)."""
-        out, self.outbox = self.outbox, Effects()
-        return out
+    def settle(self, effects: Effects, now: float) -> Effects:
+        """Carry out the signals between the parts of the state that ``effects`` holds — serve
+        the parked gets of touched partitions, retry the puts waiting for room once some was
+        freed, grant woken acquires — until none is left (each may raise more), and return the
+        effects for the service."""
+        while effects.touched or effects.room or effects.woken:
+            if effects.woken:
+                names, effects.woken = effects.woken, set()
+                for name in sorted(names):
+                    if name in self.admissions:
+                        self._wake_acquires(name, effects)
+            elif effects.room:
+                effects.room = False
+                self._serve_parked_puts(effects)
+            else:
+                name = min(effects.touched)
+                effects.touched.discard(name)
+                self._serve_parked(name, effects, now)
+        return effects
 
     # --- units and partitions ---
-    def add_unit(self, address: str, max_bytes: int = 0) -> int:
+    def add_unit(self, address: str, max_bytes: int = 0) -> tuple[int, Effects]:
         """Register a storage unit; a lost one registering again revives (empty) — see
         :meth:`~tqstream.controller.faults.Faults.revive_unit`."""
         u, lost = self.units.add(address, max_bytes)
-        if lost:
-            self.revive_unit(u)
-        return u
+        return u, self.revive_unit(u) if lost else Effects()
 
     def replicas_of(self, partition: str) -> int:
         p = self.partitions.get(partition)
@@ -162,12 +174,14 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         p.closes += 1
         effects = Effects()
         if p.closed:
-            self._serve_parked(name, effects, now)
-        return max(p.producers - p.closes, 0), effects
+            effects.touched.add(name)
+        return max(p.producers - p.closes, 0), self.settle(effects, now)
 
     # --- gets ---
-    def get_meta(self, req: GetMeta, handle: Any, now: float) -> BatchMeta | None:
-        """Serve now, or park ``handle`` (answered later through ``Effects``) and return None."""
+    def get_meta(self, req: GetMeta, handle: Any, now: float) -> tuple[BatchMeta | None, Effects]:
+        """Serve now, or park ``handle`` (answered later through ``Effects``) and return None.
+        A get that cannot wait (``timeout=0``) and finds no rows fails through the effects too:
+        the attempt may have evicted stale rows, whose drop orders go out with the failure."""
         if req.batch_size <= 0:
             raise InvalidRequestError(
                 f"batch_size must be a positive number of rows, got {req.batch_size}",
@@ -185,18 +199,18 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         p = self.partition(req.partition)
         mask = p.mask_of(req.fields)
         parked = Parked(handle, req, mask)
-        meta = self._try_serve(p, req, mask, now, parked)
-        if meta is not None:
-            return meta
-        if req.timeout == 0:
-            raise self._timeout_error(p, req)
-        self.parked.park(parked)
-        if req.timeout is not None:
-            self.schedule(now + req.timeout, "park", parked)
-        return None
+        effects = Effects()
+        meta = self._try_serve(p, req, mask, now, parked, effects)
+        if meta is None and req.timeout == 0:
+            effects.failed.append((handle, self._timeout_error(p, req)))
+        elif meta is None:
+            self.parked.park(parked)
+            if req.timeout is not None:
+                self.schedule(now + req.timeout, "park", parked)
+        return meta, self.settle(effects, now)
 
     def _try_serve(
-        self, p: Partition, req: GetMeta, mask: int, now: float, parked: Parked
+        self, p: Partition, req: GetMeta, mask: int, now: float, parked: Parked, effects: Effects
     ) -> BatchMeta | None:
         fresh = None
         if req.max_staleness is not None and req.current_version is not None:
@@ -221,10 +235,10 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         dropped = 0
         if p.stale_seen and req.on_stale == "drop":  # can never be in a window again: evict
             stale = p.stale_seen
-            dropped = len(self._evict(p, stale, self.outbox))
+            dropped = len(self._evict(p, stale, effects))
             p.stale_dropped += dropped
             p.task(req.task).stale_dropped += dropped
-            self._budget_back(p, dropped)
+            self._budget_back(p, dropped, effects)
         dropped = parked.dropped = parked.dropped + dropped
         if rows is None:
             return None
@@ -253,12 +267,12 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
 
     def _serve_parked(self, partition: str, effects: Effects, now: float) -> None:
         waiting = self.parked.of(partition)
-        if not waiting:
+        p = self.partitions.get(partition)
+        if not waiting or p is None:
             return
-        p = self.partitions[partition]
         for parked in waiting:
             try:
-                meta = self._try_serve(p, parked.req, parked.mask, now, parked)
+                meta = self._try_serve(p, parked.req, parked.mask, now, parked, effects)
             except PartitionDrainedError as e:
                 self.parked.unpark(parked)
                 effects.failed.append((parked.handle, e))
@@ -433,7 +447,9 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         except UnknownFieldError:
             return -1
 
-    def reset_consumption(self, partition: str, task: str | None, now: float) -> int:
+    def reset_consumption(
+        self, partition: str, task: str | None, now: float
+    ) -> tuple[int, Effects]:
         """Make every row ``task`` (None: every task) leased or acked available to it again;
         its leases end (acking them later does nothing). Returns the rows given back."""
         p = self.partition(partition)
@@ -443,16 +459,16 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             for lease in self.leases.where(partition=partition, task=name):
                 self.leases.end(lease, "reset")
             n += p.reset(name)
-        self._serve_parked(partition, self.outbox, now)
-        return n
+        return n, self.settle(Effects(touched={partition}), now)
 
     # --- consumption ---
     def ack(
         self, partition: str, task: str, lease_id: int, row_ids: list[int], tokens_masked: int = 0
-    ) -> int:
+    ) -> tuple[int, Effects]:
+        effects = Effects()
         lease, p = self._lease_for(partition, task, lease_id, row_ids)
         if lease is None or p is None:
-            return 0
+            return 0, effects
         rows = [r for r in row_ids if r in lease.rows]
         n = p.ack(task, rows)
         if n:
@@ -468,14 +484,14 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         if not lease.rows:
             self.leases.end(lease, "acked")
         if p.closed:  # the last rows of a closed partition acked: parked gets learn it drained
-            self._serve_parked(partition, self.outbox, self.now)
+            effects.touched.add(partition)
         if p.registered and task in p.registered:  # free rows every registered task consumed
             others = [p.tasks.get(t) for t in p.registered if t != task]
             if all(t is not None for t in others):
                 acked = [t.acked for t in others]  # type: ignore[union-attr]
                 done = [r for r in rows if all(r in a for a in acked)] if acked else rows
-                p.freed += len(self._evict(p, done, self.outbox))
-        return n
+                p.freed += len(self._evict(p, done, effects))
+        return n, self.settle(effects, self.now)
 
     def release(
         self, partition: str, task: str, lease_id: int, row_ids: list[int], now: float
@@ -489,8 +505,8 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
         lease.rows.difference_update(rows)
         if not lease.rows:
             self.leases.end(lease, "released")
-        self._serve_parked(partition, effects, now)
-        return n, effects
+        effects.touched.add(partition)
+        return n, self.settle(effects, now)
 
     def _lease_for(
         self, partition: str, task: str, lease_id: int, row_ids: list[int]
@@ -545,7 +561,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
     def clear_samples(self, partition: str, row_ids: list[int]) -> Effects:
         effects = Effects()
         self._evict(self.partition(partition), row_ids, effects)
-        return effects
+        return self.settle(effects, self.now)
 
     def _evict(
         self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
@@ -564,7 +580,7 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
             effects.drop_rows.setdefault(u, {}).setdefault(p.name, []).extend(ids)
         if removed:
             self.leases.forget_rows(p.name, {r.id for r in removed})
-            self._serve_parked_puts()
+            effects.room = True
         return removed
 
     def count_rejected(self, partition: str, count: int) -> None:
@@ -600,8 +616,8 @@ class ControllerState(Puts, FlowControl, Faults, Deadlines):
                 )
             )
         del self.partitions[partition]
-        self._serve_parked_puts()
-        return effects
+        effects.room = True
+        return self.settle(effects, self.now)
 
     # --- helpers ---
     @staticmethod
