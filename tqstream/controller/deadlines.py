@@ -1,10 +1,11 @@
-"""Deadlines inside the controller state: the :class:`DeadlineHeap` (owned: the heap, its
-sweeping, its order) and the mixin of :class:`~tqstream.controller.state.ControllerState` that
-says what each kind of deadline ends.
+"""The controller's deadlines in one :class:`DeadlineHeap` (owned: the heap, its sweeping, its
+order).
 
 Every deadline (lease expiry, uncommitted put, parked get, acquire or put waiting for room, a
-partition's ttl) sits in one heap; the service keeps a single timer at :meth:`next_deadline` and
-calls :meth:`expire` when it fires, so nothing polls. Entries of things that ended early are
+partition's ttl) sits in one heap; the service keeps a single timer at
+:meth:`~tqstream.controller.state.ControllerState.next_deadline` and calls
+:meth:`~tqstream.controller.state.ControllerState.expire` when it fires, so nothing polls; the state
+hands each due entry to the part that owns its kind. Entries of things that ended early are
 deleted lazily, and swept out whenever the heap reaches twice its live size.
 """
 
@@ -13,21 +14,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tqstream.controller.partition import Partition
 from tqstream.controller.records import (
     COMPACT_MIN,
-    AdmissionTable,
     DeadlineKind,
-    Effects,
-    LeaseTable,
-    Parked,
-    ParkedGets,
-    PendingPut,
-    PutBook,
 )
-from tqstream.protocol.messages import Acquire, PreparePut
 
 Entry = tuple[float, "DeadlineKind", Any]
 """A deadline, what it ends, and the id or record of the thing."""
@@ -69,91 +61,3 @@ class DeadlineHeap:
     def entries(self) -> Iterator[Entry]:
         """Every entry, in no particular order (live or not)."""
         return ((deadline, kind, ref) for deadline, _, kind, ref in self._heap)
-
-
-class Deadlines:
-    partitions: dict[str, Partition]
-    puts: PutBook
-    leases: LeaseTable
-    parked: ParkedGets
-    admissions: AdmissionTable
-    now: float
-    deadlines: DeadlineHeap
-
-    if TYPE_CHECKING:
-
-        def _rollback(self, put: PendingPut, effects: Effects) -> None: ...
-        def _evict(
-            self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
-        ) -> list[Any]: ...
-        def _serve_parked(self, partition: str, effects: Effects, now: float) -> None: ...
-        def settle(self, effects: Effects, now: float) -> Effects: ...
-        def _timeout_error(self, p: Partition, req: Any) -> Any: ...
-        def _acquire_timeout(self, req: Acquire, waited: float) -> Any: ...
-        def _capacity_error(self, req: PreparePut, waited: float) -> Any: ...
-
-    def schedule(self, deadline: float, kind: DeadlineKind, ref: Any) -> None:
-        self.deadlines.add(deadline, kind, ref)
-
-    def _live(self, deadline: float, kind: DeadlineKind, ref: Any) -> bool:
-        """Whether the thing a deadline ends is still there (its entry is not stale)."""
-        if kind == "lease":
-            lease = self.leases.get(ref)
-            return lease is not None and lease.deadline == deadline
-        if kind == "acquire":
-            return self.admissions.parked(ref) is not None
-        if kind == "putwait":
-            return self.puts.parked(ref) is not None
-        if kind == "put":
-            return ref in self.puts
-        if kind == "ttl":
-            return self.partitions.get(ref[0].name) is ref[0]
-        return self.parked.holds(ref)
-
-    def next_deadline(self) -> float | None:
-        return self.deadlines.next()
-
-    def expire(self, now: float) -> Effects:
-        self.now = max(self.now, now)
-        effects = Effects()
-        touched: set[str] = set()
-        for deadline, kind, ref in self.deadlines.due(now):
-            if kind == "lease":
-                lease = self.leases.get(ref)
-                if lease is not None and lease.deadline == deadline:
-                    p = self.partitions[lease.partition]
-                    p.release(lease.task, sorted(lease.rows))
-                    self.leases.end(lease, "expired")
-                    touched.add(lease.partition)
-            elif kind == "acquire":
-                waited = self.admissions.unpark(ref)
-                if waited is not None:
-                    effects.failed.append(
-                        (ref, self._acquire_timeout(waited.req, now - waited.since))
-                    )
-            elif kind == "putwait":
-                put_wait = self.puts.unpark(ref)
-                if put_wait is not None:
-                    error = self._capacity_error(put_wait.req, now - put_wait.since)
-                    effects.failed.append((ref, error))
-            elif kind == "ttl":
-                owner: Partition = ref[0]
-                if self.partitions.get(owner.name) is owner:  # not cleared and re-created since
-                    owner.expired += len(self._evict(owner, ref[1], effects))
-                    self.settle(effects, now)  # puts waiting for room, before their deadlines
-            elif kind == "put":
-                put = self.puts.get(ref)
-                if put is not None:
-                    self.puts.end(ref, "cleared" if put.cancelled else "expired")
-                    self._rollback(put, effects)
-                    self.settle(effects, now)
-            else:
-                parked: Parked = ref
-                if parked.req.partition in touched:  # rows given back before this timeout
-                    touched.discard(parked.req.partition)
-                    self._serve_parked(parked.req.partition, effects, now)
-                if self.parked.unpark(parked):
-                    p = self.partitions[parked.req.partition]
-                    effects.failed.append((parked.handle, self._timeout_error(p, parked.req)))
-        effects.touched |= touched
-        return self.settle(effects, now)

@@ -1,6 +1,4 @@
-"""Faults inside the controller state: a lost storage unit, a revived one, a peer that went away —
-a mixin of :class:`~tqstream.controller.state.ControllerState`, split out to keep each file one
-concept.
+"""Faults inside the controller state: a lost storage unit, a revived one, a peer that went away.
 
 A *peer* is one client connection (the service learns from the transport when it drops: the
 process died, its host went away, or it missed heartbeats). Whatever the peer held is given back at
@@ -17,52 +15,55 @@ unit are rolled back and their producers get ``UnitLostError``.
 
 from __future__ import annotations
 
-import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqstream.controller.budget import Budgets
-from tqstream.controller.partition import Partition, Row
+from tqstream.controller.catalog import Catalog
 from tqstream.controller.peers import peer_of
+from tqstream.controller.puts import Puts
 from tqstream.controller.records import (
     AdmissionTable,
     Effects,
+    Ids,
     LeaseTable,
     ParkedGets,
-    PendingPut,
     PutBook,
 )
 from tqstream.controller.units import UnitTable
 
 
 class Faults:
-    partitions: dict[str, Partition]
-    units: UnitTable
-    puts: PutBook
-    leases: LeaseTable
-    parked: ParkedGets
-    admissions: AdmissionTable
-    budgets: Budgets
-    now: float
-    ids: itertools.count[int]
+    def __init__(
+        self,
+        catalog: Catalog,
+        writes: Puts,
+        units: UnitTable,
+        book: PutBook,
+        leases: LeaseTable,
+        parked: ParkedGets,
+        admissions: AdmissionTable,
+        budgets: Budgets,
+        ids: Ids,
+    ) -> None:
+        self.catalog = catalog
+        self.writes = writes  # puts in flight on a lost unit, or of a gone peer, roll back
+        self.units = units
+        self.book = book
+        self.leases = leases
+        self.parked = parked
+        self.admissions = admissions
+        self.budgets = budgets
+        self.ids = ids
 
-    if TYPE_CHECKING:
-
-        def _rollback(self, put: PendingPut, effects: Effects) -> None: ...
-        def _evict(
-            self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
-        ) -> list[Row]: ...
-        def settle(self, effects: Effects, now: float) -> Effects: ...
-
-    # --- units ---
-    def lose_unit(self, u: int, now: float) -> Effects:
+    def lose_unit(self, u: int) -> Effects:
         """Unit ``u`` is gone: give up what only it held (see the module docstring)."""
         effects = Effects()
         if not self.units.alive[u]:
             return effects
-        for put in self.puts.where(unit=u):
-            self.puts.end(put.put_id, "unit-lost")
-            self._rollback(put, effects)
-        for p in list(self.partitions.values()):
+        for put in self.book.where(unit=u):
+            self.book.end(put.put_id, "unit-lost")
+            self.writes.rollback(put, effects)
+        for p in list(self.catalog.partitions.values()):
             gone = []
             for r in p.rows.values():
                 if r.replica == u:
@@ -77,14 +78,14 @@ class Faults:
             for name in {*p.tasks, *p.registered}:
                 t = p.task(name)
                 t.lost += sum(1 for rid in gone if rid not in t.acked)
-            removed = self._evict(p, gone, effects, order=False)
+            removed = self.catalog.evict(p, gone, effects, order=False)
             p.lost += len(removed)
             self.units.lost_rows[u] += len(removed)
             if p.closed:  # parked gets may now learn that the partition is drained
                 effects.touched.add(p.name)
         self.units.lose(u)
         effects.room = True  # puts waiting for room on it fail; the others replan
-        return self.settle(effects, now)
+        return effects
 
     def revive_unit(self, u: int) -> Effects:
         """Unit ``u`` is reachable again (or registered again at its address): it takes new rows.
@@ -96,33 +97,30 @@ class Faults:
         self.units.revive(u)
         effects.reset_units.append((u, next(self.ids)))
         effects.room = True
-        return self.settle(effects, self.now)
+        return effects
 
-    # --- peers ---
-    def drop_peer(self, peer: Any, now: float) -> Effects:
+    def drop_peer(self, peer: Any) -> Effects:
         """The connection ``peer`` dropped: give back everything it held (module docstring)."""
         effects = Effects()
         self.parked.drop_peer(peer)
         for handle, _ in self.admissions.waiting():
             if peer_of(handle) == peer:
                 self.admissions.unpark(handle)
-        for handle, _ in self.puts.waiting():
+        for handle, _ in self.book.waiting():
             if peer_of(handle) == peer:
-                self.puts.unpark(handle)
-        for put in self.puts.where(owner=peer):
-            self.puts.end(put.put_id, "aborted")
-            self._rollback(put, effects)
-        touched = set()
+                self.book.unpark(handle)
+        for put in self.book.where(owner=peer):
+            self.book.end(put.put_id, "aborted")
+            self.writes.rollback(put, effects)
         for lease in self.leases.where(owner=peer):
-            p = self.partitions.get(lease.partition)
+            p = self.catalog.partitions.get(lease.partition)
             if p is not None:
                 p.release(lease.task, sorted(lease.rows))
-                touched.add(p.name)
+                effects.touched.add(p.name)
             self.leases.end(lease, "disconnected")
         for name, mine in self.admissions.take_peer(peer).items():
             if name in self.admissions:
                 self.admissions[name].admission.release(mine, "rejected")
                 effects.woken.add(name)
         self.budgets.drop_peer(peer)
-        effects.touched |= touched
-        return self.settle(effects, now)
+        return effects

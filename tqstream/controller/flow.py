@@ -1,14 +1,14 @@
-"""Flow control inside the controller state: producer admission and storage byte quotas.
+"""Producer admission inside the controller state: slots, capacity and StalenessManager budgets.
 
-Both are parked requests of their own kind (an acquire waiting for a slot, a put waiting for room),
-woken by the events that free what they wait for — releases and new versions, evictions and
-clears — and failed at their deadline from the state's one heap. A mixin of
-:class:`~tqstream.controller.state.ControllerState`, split out to keep each file one concept.
+An acquire that cannot be granted parks (an ``AdmissionTable`` waiting acquire) and is woken by the
+events that free what it waits for — released slots, a new version, rows dropped as stale — which
+signal its admission (``Effects.woken``); it fails at its deadline from the state's one heap.
+Storage byte quotas, the other half of flow control, wait with the puts (:mod:`.puts`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqstream.controller.admission import (
     Admission,
@@ -17,96 +17,27 @@ from tqstream.controller.admission import (
     make_admission,
 )
 from tqstream.controller.budget import Budgets
+from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import (
     AdmissionRecord,
     AdmissionTable,
-    DeadlineKind,
     Effects,
-    PutBook,
     WaitingAcquire,
 )
-from tqstream.controller.units import UnitTable
-from tqstream.errors import (
-    AdmissionError,
-    CapacityError,
-    InvalidRequestError,
-    RequestTimeoutError,
-    TQStreamError,
-)
-from tqstream.protocol.messages import (
-    Acquire,
-    BudgetReport,
-    PreparePut,
-    PutPlan,
-    Slots,
-    StoredReply,
-)
+from tqstream.errors import AdmissionError, InvalidRequestError, RequestTimeoutError
+from tqstream.protocol.messages import Acquire, BudgetReport, Slots
 
 
-class FlowControl:
-    admissions: AdmissionTable
-    budgets: Budgets
-    puts: PutBook
-    units: UnitTable
-    now: float
+class Flow:
+    def __init__(
+        self, admissions: AdmissionTable, budgets: Budgets, deadlines: DeadlineHeap
+    ) -> None:
+        self.admissions = admissions
+        self.budgets = budgets  # StalenessManagers' pooled budgets
+        self.deadlines = deadlines
 
-    if TYPE_CHECKING:
-
-        def schedule(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
-        def settle(self, effects: Effects, now: float) -> Effects: ...
-
-        def prepare_put(
-            self, req: PreparePut, now: float, handle: Any = None, since: float | None = None
-        ) -> PutPlan | None: ...
-
-        def put_stored(
-            self,
-            req: PreparePut,
-            unit: int,
-            now: float,
-            handle: Any = None,
-            since: float | None = None,
-        ) -> tuple[StoredReply | None, Effects]: ...
-
-    def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
-        units = self.units
-        free = sum(
-            q - b
-            for q, b, ok in zip(units.quota, units.bytes, units.alive, strict=True)
-            if q and ok
-        )
-        return CapacityError(
-            f"a put of {req.n_rows} rows ({req.nbytes} bytes) to partition {req.partition!r} did "
-            f"not fit in storage within {waited:.1f}s: {free} bytes free under the units' quotas "
-            f"({sum(units.quota)} in all); consume and ack (registered tasks free rows), "
-            f"clear rows, or raise max_bytes on the storage units",
-            nbytes=req.nbytes,
-            free=free,
-        )
-
-    def _serve_parked_puts(self, effects: Effects) -> None:
-        """Bytes were freed: retry waiting puts in arrival order."""
-        for handle, _ in self.puts.waiting():
-            waiting = self.puts.unpark(handle)
-            if waiting is None:  # ended by an earlier retry of this loop
-                continue
-            req, since, unit = waiting
-            now = max(self.now, since)
-            try:
-                if unit is None:
-                    reply: Any = self.prepare_put(req, now, handle, since)
-                else:
-                    reply, more = self.put_stored(req, unit, now, handle, since)
-                    effects.extend(more)
-            except TQStreamError as exc:
-                effects.failed.append((handle, exc))
-                continue
-            if reply is not None:
-                effects.replies.append((handle, reply))
-
-    # --- admission ---
     def create_admission(self, name: str, style: str, config: dict[str, int]) -> None:
         """Create admission ``name``; creating it again with the same settings is a no-op, so
         every producer and trainer process can call it at start-up."""
@@ -143,10 +74,10 @@ class FlowControl:
         if granted or not req.wait or handle is None:
             return granted
         if req.timeout == 0:
-            raise self._acquire_timeout(req, 0.0)
+            raise self.acquire_timeout(req, 0.0)
         self.admissions.park(handle, WaitingAcquire(req, now))
         if req.timeout is not None:
-            self.schedule(now + req.timeout, "acquire", handle)
+            self.deadlines.add(now + req.timeout, "acquire", handle)
         return None
 
     @staticmethod
@@ -156,7 +87,7 @@ class FlowControl:
         parked acquire is re-evaluated at it, so on_version can wake it."""
         return req.version if req.version < 0 else max(req.version, adm.version)
 
-    def _acquire_timeout(self, req: Acquire, waited: float) -> RequestTimeoutError:
+    def acquire_timeout(self, req: Acquire, waited: float) -> RequestTimeoutError:
         state = self.admissions.admission(req.name).state()
         return RequestTimeoutError(
             f"no admission slot of {req.name!r} ({state['style']}) was free within {waited:.1f}s "
@@ -165,7 +96,7 @@ class FlowControl:
             name=req.name,
         )
 
-    def _wake_acquires(self, name: str, effects: Effects) -> None:
+    def wake(self, name: str, effects: Effects) -> None:
         adm = self.admissions.admission(name)
         for handle, (req, _) in self.admissions.waiting(name):
             granted = adm.try_acquire(req.n, self._acquire_version(adm, req))
@@ -177,7 +108,7 @@ class FlowControl:
     def release_slots(self, name: str, slot_ids: list[int], outcome: str) -> Effects:
         self.admissions.admission(name).release(slot_ids, outcome)
         self.admissions.disown(name, slot_ids)
-        return self.settle(Effects(woken={name}), self.now)
+        return Effects(woken={name})
 
     def admission_version(
         self, name: str, version: int, recovered: bool, reset: bool = False
@@ -196,7 +127,7 @@ class FlowControl:
             self.admissions.void(name)
         else:
             adm.on_version(version)
-        return self.settle(Effects(woken={name}), self.now)
+        return Effects(woken={name})
 
     def admission_info(
         self, name: str, version: int | None, enqueued: int
@@ -232,7 +163,7 @@ class FlowControl:
             state["capacity"] = budget.capacity(req.version)
         return state
 
-    def _budget_back(self, p: Partition, dropped: int, effects: Effects) -> None:
+    def budget_back(self, p: Partition, dropped: int, effects: Effects) -> None:
         """Stale evictions of a partition fed by a capacity admission or a StalenessManager
         budget return their budget."""
         name = p.admission
@@ -247,3 +178,9 @@ class FlowControl:
 
     def admission_stats(self) -> dict[str, dict[str, int | float | str]]:
         return dict(sorted({**self.admissions.states(), **self.budgets.states()}.items()))
+
+    def expire_acquire(self, handle: Any, now: float, effects: Effects) -> None:
+        """A parked acquire's timeout came: it fails."""
+        waited = self.admissions.unpark(handle)
+        if waited is not None:
+            effects.failed.append((handle, self.acquire_timeout(waited.req, now - waited.since)))

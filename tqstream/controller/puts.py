@@ -1,5 +1,4 @@
-"""Puts inside the controller state: plan, commit, abort — a mixin of
-:class:`~tqstream.controller.state.ControllerState`, split out to keep each file one concept.
+"""Writes inside the controller state: plan, commit, abort.
 
 A put is two-phase: ``prepare_put`` validates everything, reserves keys, group slots and row ids
 and places the rows on storage units (and each run's replica on another unit when the partition
@@ -7,17 +6,21 @@ keeps two copies); the client stores the chunks; ``commit`` makes the rows visib
 ``abort`` (or the put deadline, or the loss of a unit it stored on, or its producer's disconnect)
 removes the reservation and orders the units to drop whatever chunks arrived, so a failed put
 leaves neither rows nor bytes.
+
+Puts that do not fit the units' byte quotas wait (``PutBook``'s waiting puts) and are retried, in
+arrival order, whenever room is freed (``Effects.room``).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tqstream.controller.catalog import Catalog
+from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.partition import Partition, Row
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import DeadlineKind, Effects, PendingPut, PutBook, WaitingPut
+from tqstream.controller.records import Effects, Ids, PendingPut, PutBook, WaitingPut
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     CapacityError,
@@ -43,28 +46,23 @@ from tqstream.types import BatchMeta
 
 
 class Puts:
-    partitions: dict[str, Partition]
-    units: UnitTable
-    puts: PutBook
-    put_timeout: float
-    max_rows: int
-    now: float
-    ids: itertools.count[int]
-
-    if TYPE_CHECKING:
-
-        def schedule(self, deadline: float, kind: DeadlineKind, ref: Any) -> None: ...
-        def _capacity_error(self, req: PreparePut, waited: float) -> CapacityError: ...
-        def partition(self, name: str) -> Partition: ...
-        def settle(self, effects: Effects, now: float) -> Effects: ...
-        def _rows(self, p: Partition, row_ids: list[int]) -> list[Row]: ...
-        def _meta(self, p: Partition, rows: list[Row], fields: list[str]) -> BatchMeta: ...
-        def create_partition(self, name: str, fields: list[str]) -> None: ...
-        def replicas_of(self, partition: str) -> int: ...
-
-    def _charge(self, r: Row, nbytes: int) -> None:
-        """Count ``nbytes`` more (or fewer) on the units holding row ``r``."""
-        self.units.charge(r.unit, r.replica, nbytes)
+    def __init__(
+        self,
+        catalog: Catalog,
+        units: UnitTable,
+        book: PutBook,
+        deadlines: DeadlineHeap,
+        ids: Ids,
+        put_timeout: float,
+        max_rows: int,
+    ) -> None:
+        self.catalog = catalog
+        self.units = units
+        self.book = book
+        self.deadlines = deadlines
+        self.ids = ids
+        self.put_timeout = put_timeout
+        self.max_rows = max_rows  # rows held at most, over every partition; 0: no cap
 
     def prepare_put(
         self,
@@ -79,7 +77,6 @@ class Puts:
         to ``req.timeout``.
         ``since``: when a waiting put first asked (its timeout counts from then). ``pinned``: the
         rows go to that unit only (its data is there already, see :meth:`put_stored`)."""
-        self.now = max(self.now, now)
         if req.n_rows <= 0 or not req.schemas:
             raise InvalidRequestError(
                 f"a put needs at least one row and one field (got "
@@ -103,9 +100,9 @@ class Puts:
                 )
         self._check_rows(req.partition, req.n_rows)
         if pinned is None:
-            runs = self.units.place(req.n_rows, req.nbytes, self.replicas_of(req.partition))
+            runs = self.units.place(req.n_rows, req.nbytes, self.catalog.replicas_of(req.partition))
         else:
-            if self.replicas_of(req.partition) > 1 and len(self.units.live()) > 1:
+            if self.catalog.replicas_of(req.partition) > 1 and len(self.units.live()) > 1:
                 raise PlacementRequiredError(
                     f"partition {req.partition!r} keeps 2 copies of every row: a put to it is "
                     f"placed by the controller, not stored on one unit first; put again (the "
@@ -115,22 +112,22 @@ class Puts:
             runs = self.units.place_on(pinned, req.n_rows, req.nbytes)
         if runs is None:  # no room now: back-pressure, never a silent drop
             if handle is None or req.timeout == 0:
-                raise self._capacity_error(req, 0.0)
-            self.puts.park(handle, WaitingPut(req, now if since is None else since, pinned))
+                raise self.capacity_error(req, 0.0)
+            self.book.park(handle, WaitingPut(req, now if since is None else since, pinned))
             if req.timeout is not None and since is None:
-                self.schedule(now + req.timeout, "putwait", handle)
+                self.deadlines.add(now + req.timeout, "putwait", handle)
             return None
-        created = req.partition not in self.partitions
-        if not created and self.partitions[req.partition].closed:
-            p = self.partitions[req.partition]
+        created = req.partition not in self.catalog.partitions
+        if not created and self.catalog.partitions[req.partition].closed:
+            p = self.catalog.partitions[req.partition]
             raise PartitionClosedError(
                 f"partition {req.partition!r} is closed: its {p.producers} producer(s) called "
                 f"close_partition, so it takes no new rows (put_fields to its rows still works); "
                 f"put to another partition, or clear_partition({req.partition!r}) to start over",
                 partition=req.partition,
             )
-        self.create_partition(req.partition, [])
-        p = self.partitions[req.partition]
+        self.catalog.create(req.partition, [])
+        p = self.catalog.partitions[req.partition]
         known = len(p.bits)
         mask = p.check_schemas(req.schemas)
         try:
@@ -139,11 +136,11 @@ class Puts:
                 frozenset(req.schemas),
             )  # fmt: skip
         except TQStreamError:
-            p.forget_unused_schemas(req.schemas, self.puts.fields_in_flight(req.partition))
+            p.forget_unused_schemas(req.schemas, self.book.fields_in_flight(req.partition))
             for f in list(p.bits)[known:]:  # fields only this refused put introduced
                 del p.bits[f]
             if created:
-                del self.partitions[req.partition]
+                del self.catalog.partitions[req.partition]
             raise
         if req.tags is not None:
             for r, tags in zip(rows, req.tags, strict=True):
@@ -200,13 +197,13 @@ class Puts:
                 f"put_fields names row {twice!r} more than once; a field is written once per row",
                 row=twice,
             )
-        p = self.partitions.get(req.partition)
+        p = self.catalog.partitions.get(req.partition)
         if p is None and req.keys is not None and req.create:
             p = Partition(req.partition, "")  # every key is new: validated against nothing
         elif p is None:
-            p = self.partition(req.partition)  # raises
+            p = self.catalog.partition(req.partition)  # raises
         if req.keys is None:
-            old: list[Row | None] = list(self._rows(p, req.row_ids))
+            old: list[Row | None] = list(self.catalog.rows(p, req.row_ids))
             new_keys: list[str] = []
         else:
             old, new_keys = self._rows_by_key(p, req.keys, req.create)
@@ -220,9 +217,9 @@ class Puts:
         self._check_rows(req.partition, len(new_keys))
         share = req.nbytes * len(new_keys) // len(named)  # placed by the bytes they bring
         runs = self._place_new(req.partition, len(new_keys), share)
-        if req.partition not in self.partitions:
-            self.create_partition(req.partition, [])
-            p = self.partitions[req.partition]
+        if req.partition not in self.catalog.partitions:
+            self.catalog.create(req.partition, [])
+            p = self.catalog.partitions[req.partition]
         mask = p.check_schemas(req.schemas)
         created = p.reserve_rows(len(new_keys), new_keys, None, None, None, frozenset())
         for unit, replica, start, stop in runs:
@@ -290,7 +287,7 @@ class Puts:
         """Refuse ``n`` new rows beyond the cluster's ``max_rows``."""
         if not self.max_rows or not n:
             return
-        held = sum(len(p.rows) for p in self.partitions.values())
+        held = sum(len(p.rows) for p in self.catalog.partitions.values())
         if held + n > self.max_rows:
             raise CapacityError(
                 f"the cluster holds {held} rows and max_rows={self.max_rows}: {n} more rows for "
@@ -307,7 +304,7 @@ class Puts:
         follow them there)."""
         if not n:
             return []
-        runs = self.units.place(n, nbytes, self.replicas_of(partition))
+        runs = self.units.place(n, nbytes, self.catalog.replicas_of(partition))
         if runs is None:
             raise CapacityError(
                 f"no live storage unit of partition {partition!r} is under its byte quota, so "
@@ -365,27 +362,27 @@ class Puts:
             per_row,
             owner=owner,
         )
-        self.puts.open(put)
+        self.book.open(put)
         if timed:
-            self.schedule(now + self.put_timeout, "put", put.put_id)
+            self.deadlines.add(now + self.put_timeout, "put", put.put_id)
         return put
 
     def commit(self, put_id: int, now: float) -> tuple[BatchMeta | None, Effects]:
-        put = self.puts.get(put_id)
+        put = self.book.get(put_id)
         if put is None:
             raise self.put_error(put_id)
         effects = Effects()
-        self.puts.end(put_id, "cleared" if put.cancelled else "committed")
+        self.book.end(put_id, "cleared" if put.cancelled else "committed")
         if put.cancelled:
-            self._rollback(put, effects)
-            return None, self.settle(effects, now)  # the service sends the drops, then raises
-        p = self.partitions[put.partition]
+            self.rollback(put, effects)
+            return None, effects  # the service sends the drops, then raises
+        p = self.catalog.partitions[put.partition]
         if put.new_rows:
             p.commit_rows(put.rows, put.mask)
             p.produced += len(put.rows)
             p.rejected += put.rejected
             if p.ttl is not None:
-                self.schedule(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
+                self.deadlines.add(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
         else:
             unit_rows = effects.drop_rows
             for r in put.rows:  # cleared while in flight: the unit drops what it stored
@@ -413,14 +410,14 @@ class Puts:
                 p.commit_rows(fresh, put.mask)
                 p.produced += len(fresh)
                 if p.ttl is not None:
-                    self.schedule(now + p.ttl, "ttl", (p, [r.id for r in fresh]))
+                    self.deadlines.add(now + p.ttl, "ttl", (p, [r.id for r in fresh]))
         effects.touched.add(put.partition)
         meta = None
         if put.new_rows:
-            meta = self._meta(p, put.rows, put.fields)
+            meta = self.catalog.meta(p, put.rows, put.fields)
         elif put.keyed:
-            meta = self._meta(p, put.rows, p.common_fields(put.rows))
-        return meta, self.settle(effects, now)
+            meta = self.catalog.meta(p, put.rows, p.common_fields(put.rows))
+        return meta, effects
 
     def put_stored(
         self,
@@ -441,7 +438,7 @@ class Puts:
         return StoredReply(rid=req.rid, chunk=plan.segments[0].chunk, meta=meta), effects
 
     def put_error(self, put_id: int) -> TQStreamError:
-        status = self.puts.status(put_id)
+        status = self.book.status(put_id)
         if status == "expired":
             return RequestTimeoutError(
                 f"put {put_id} was not committed within put_timeout={self.put_timeout}s and was "
@@ -466,17 +463,17 @@ class Puts:
 
     def abort(self, put_id: int) -> Effects:
         effects = Effects()
-        put = self.puts.end(put_id, "aborted")
+        put = self.book.end(put_id, "aborted")
         if put is not None:
-            self._rollback(put, effects)
-        return self.settle(effects, self.now)
+            self.rollback(put, effects)
+        return effects
 
-    def _rollback(self, put: PendingPut, effects: Effects) -> None:
+    def rollback(self, put: PendingPut, effects: Effects) -> None:
         for unit, chunk in put.chunks:
             effects.drop_chunks.setdefault(unit, []).append(chunk)
         if put.cancelled:
             return  # the partition and its rows are gone already
-        p = self.partitions[put.partition]
+        p = self.catalog.partitions[put.partition]
         if put.new_rows:
             for r in p.remove_rows([r.id for r in put.rows]):
                 self._charge(r, -r.nbytes)
@@ -489,5 +486,119 @@ class Puts:
                 r.pending &= ~put.mask
                 r.nbytes -= put.per_row
                 self._charge(r, -put.per_row)
-        p.forget_unused_schemas(put.fields, self.puts.fields_in_flight(put.partition))
+        p.forget_unused_schemas(put.fields, self.book.fields_in_flight(put.partition))
         effects.room = True
+
+    def upsert_rows(
+        self,
+        partition: str,
+        keys: list[str],
+        tags: list[Any] | None,
+        create: bool,
+        row_ids: list[int] | None,
+        now: float,
+    ) -> BatchMeta:
+        """Merge ``tags`` into the rows of ``keys``; with ``create``, keys that do not exist become
+        rows without fields, placed on a unit like a put's rows (their fields, written later, go
+        there). Without keys, the rows are ``row_ids`` (which must exist). Returns the rows'
+        metadata with the fields they all have. Nothing changes on error."""
+        if not keys and row_ids:
+            named = self.catalog.partition(partition)
+            found = self.catalog.rows(named, row_ids)
+            if tags is not None and len(tags) != len(found):
+                raise InvalidRequestError(
+                    f"tags= has {len(tags)} entries but {len(found)} rows were named"
+                )
+            for r, t in zip(found, tags or [], strict=False):
+                r.merge_tags(t)
+            return self.catalog.meta(named, found, named.common_fields(found))
+        if tags is not None and len(tags) != len(keys):
+            raise InvalidRequestError(
+                f"tags= has {len(tags)} entries but {len(keys)} keys were given"
+            )
+        if len(set(keys)) < len(keys):
+            twice = next(k for i, k in enumerate(keys) if k in keys[:i])
+            raise InvalidRequestError(f"key {twice!r} is named more than once", key=twice)
+        p = self.catalog.partitions.get(partition)
+        if p is None and not create:
+            p = self.catalog.partition(partition)  # raises
+        old, new_keys = self._rows_by_key(p or Partition(partition, ""), keys, create)
+        self._check_rows(partition, len(new_keys))
+        runs = self._place_new(partition, len(new_keys))
+        if p is None:
+            self.catalog.create(partition, [])
+            p = self.catalog.partitions[partition]
+        elif new_keys and p.closed:
+            raise PartitionClosedError(
+                f"partition {partition!r} is closed: it takes no new rows ({len(new_keys)} keys "
+                f"do not exist in it)",
+                partition=partition,
+            )
+        created = p.reserve_rows(len(new_keys), new_keys, None, None, None, frozenset())
+        for unit, replica, start, stop in runs:
+            for r in created[start:stop]:
+                r.unit, r.replica = unit, replica
+        p.commit_rows(created, 0)
+        p.produced += len(created)
+        if created and p.ttl is not None:
+            self.deadlines.add(now + p.ttl, "ttl", (p, [r.id for r in created]))
+        fresh = iter(created)
+        rows = [next(fresh) if r is None else r for r in old]
+        if tags is not None:
+            for r, t in zip(rows, tags, strict=True):
+                r.merge_tags(t)
+        return self.catalog.meta(p, rows, p.common_fields(rows))
+
+    def capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
+        units = self.units
+        free = sum(
+            q - b
+            for q, b, ok in zip(units.quota, units.bytes, units.alive, strict=True)
+            if q and ok
+        )
+        return CapacityError(
+            f"a put of {req.n_rows} rows ({req.nbytes} bytes) to partition {req.partition!r} did "
+            f"not fit in storage within {waited:.1f}s: {free} bytes free under the units' quotas "
+            f"({sum(units.quota)} in all); consume and ack (registered tasks free rows), "
+            f"clear rows, or raise max_bytes on the storage units",
+            nbytes=req.nbytes,
+            free=free,
+        )
+
+    def retry_waiting(self, effects: Effects, now: float) -> None:
+        """Bytes were freed: retry waiting puts in arrival order."""
+        for handle, _ in self.book.waiting():
+            waiting = self.book.unpark(handle)
+            if waiting is None:  # ended by an earlier retry of this loop
+                continue
+            req, since, unit = waiting
+            at = max(now, since)
+            try:
+                if unit is None:
+                    reply: Any = self.prepare_put(req, at, handle, since)
+                else:
+                    reply, more = self.put_stored(req, unit, at, handle, since)
+                    effects.extend(more)
+            except TQStreamError as exc:
+                effects.failed.append((handle, exc))
+                continue
+            if reply is not None:
+                effects.replies.append((handle, reply))
+
+    def _charge(self, r: Row, nbytes: int) -> None:
+        """Count ``nbytes`` more (or fewer) on the units holding row ``r``."""
+        self.units.charge(r.unit, r.replica, nbytes)
+
+    # --- deadlines ---
+    def expire_put(self, put_id: int, effects: Effects) -> None:
+        """A put not committed within ``put_timeout`` (or cleared meanwhile) is rolled back."""
+        put = self.book.get(put_id)
+        if put is not None:
+            self.book.end(put_id, "cleared" if put.cancelled else "expired")
+            self.rollback(put, effects)
+
+    def expire_wait(self, handle: Any, now: float, effects: Effects) -> None:
+        """A put waiting for room past its timeout fails."""
+        waiting = self.book.unpark(handle)
+        if waiting is not None:
+            effects.failed.append((handle, self.capacity_error(waiting.req, now - waiting.since)))

@@ -117,6 +117,27 @@ class Finished(Generic[Ended]):
         return self._names[self._status[newest]]
 
 
+class Ids:
+    """The one increasing sequence of the controller's put, lease, chunk and partition-incarnation
+    ids (an id's order says which came first: a lease older than its partition's incarnation
+    belongs to an earlier one)."""
+
+    def __init__(self, first: int = 1) -> None:
+        self._next = first
+
+    def __iter__(self) -> Ids:
+        return self
+
+    def __next__(self) -> int:
+        n = self._next
+        self._next += 1
+        return n
+
+    def skip_to(self, first: int) -> None:
+        """Never hand out an id below ``first`` (a checkpoint's ids are taken)."""
+        self._next = max(self._next, first)
+
+
 @dataclasses.dataclass
 class Effects:
     """What the service must do after a state change."""

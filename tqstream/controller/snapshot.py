@@ -18,7 +18,6 @@ them.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -313,7 +312,7 @@ def placement(state: ControllerState, snap: ControllerSnapshot) -> Placement:
 
 def reserve_ids(state: ControllerState, next_id: int) -> None:
     """Move the id counter past every id of a checkpoint before anything of it is loaded."""
-    state.ids = itertools.count(max(next(state.ids), next_id))
+    state.ids.skip_to(next_id)
 
 
 class Prepared:
