@@ -146,6 +146,14 @@ class ClientConfig:
     keys: str = ""
     """Path of the cluster's CURVE key file (the one ``tqstream-launch --keys`` names), needed to
     reach a cluster started with keys; empty: connect without (docs/security.md)."""
+    coalesce_window: float | None = 0.0
+    """Seconds a one-exchange put waits for other puts of this client to go with it: concurrent
+    puts to one partition (``async_put`` from many tasks, ``put`` from many threads) go to a storage
+    unit as one message and one commit, each caller getting its own rows (docs/architecture.md).
+    0: those issued in the same turn of the client's event loop, no added wait; None: never."""
+
+    def __post_init__(self) -> None:
+        _check(self, "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +353,10 @@ def environment(name: str) -> str:
     return os.environ.get(name, "").strip()
 
 
+_NONE = object()
+"""A setting the environment sets to None (``TQSTREAM_<FIELD>=none``)."""
+
+
 def from_env(cls: type[_C], **overrides: Any) -> _C:
     """Build ``cls`` from defaults, then ``TQSTREAM_*`` variables, then explicit ``overrides``
     (None: not given); a ClusterConfig by its settings (:meth:`ClusterConfig.from_env`)."""
@@ -353,7 +365,9 @@ def from_env(cls: type[_C], **overrides: Any) -> _C:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         raw = os.environ.get(f"TQSTREAM_{f.name.upper()}")
-        if raw is not None:
+        if raw is not None and raw.strip().lower() == "none" and _kind(cls, f.name)[1]:  # type: ignore[arg-type]
+            values[f.name] = _NONE
+        elif raw is not None:
             kind: Any = type(f.default)
             try:
                 values[f.name] = kind(raw)
@@ -363,6 +377,7 @@ def from_env(cls: type[_C], **overrides: Any) -> _C:
                     f"{kind.__name__}"
                 ) from exc
     values.update({k: v for k, v in overrides.items() if v is not None})
+    values = {k: None if v is _NONE else v for k, v in values.items()}
     return cls(**values)
 
 

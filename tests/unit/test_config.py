@@ -207,3 +207,16 @@ def test_the_deployment_page_lists_every_setting() -> None:
         assert f"`{s.name}`" in page and f"`{s.flag}`" in page, s.name
     for old in DEPRECATED:
         assert f"`{old}`" in page
+
+
+def test_the_client_coalesce_window_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tqstream.config import ClientConfig, from_env
+
+    assert from_env(ClientConfig).coalesce_window == 0.0
+    monkeypatch.setenv("TQSTREAM_COALESCE_WINDOW", "0.002")
+    assert from_env(ClientConfig).coalesce_window == 0.002
+    monkeypatch.setenv("TQSTREAM_COALESCE_WINDOW", "None")  # never coalesce
+    assert from_env(ClientConfig).coalesce_window is None
+    monkeypatch.setenv("TQSTREAM_COALESCE_WINDOW", "-1")
+    with pytest.raises(ConfigError, match="coalesce_window must be >= 0"):
+        from_env(ClientConfig)

@@ -202,7 +202,10 @@ class Client:
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout, tags,
         )  # fmt: skip
-        return self._sync(ClientCore.put, req, columns)
+        if self.config.coalesce_window:  # puts of several threads meet on the IO thread
+            self._check()
+            return self._io.run(ClientCore.put(self._core, req, columns))
+        return self._sync(ClientCore.put, req, columns, False)  # a thread waits for each
 
     async def async_put(
         self,

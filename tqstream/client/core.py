@@ -25,20 +25,23 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 import torch
 import zmq
 
+from tqstream.client import coalesce
 from tqstream.config import ClientConfig
 from tqstream.errors import (
+    ClosedError,
     ConnectError,
     ConnectionLostError,
     InternalError,
     InvalidRequestError,
     PlacementRequiredError,
+    RequestTimeoutError,
     TQStreamError,
     UnitLostError,
     UnknownRowError,
@@ -165,6 +168,7 @@ class ClientCore:
         self._turn = random.randrange(1 << 16)  # the unit of the next direct put, modulo units
         self._skip: dict[int, float] = {}  # unit -> until when direct puts avoid it (unreachable)
         self._placed: set[str] = set()  # partitions whose puts the controller must place
+        self._coalescing: dict[Hashable, list[coalesce.Pending]] = {}  # puts about to be sent
 
     @classmethod
     async def open(
@@ -319,19 +323,102 @@ class ClientCore:
         return self._shm.get(unit, "")
 
     # --- writes ---
-    async def put(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
+    async def put(
+        self, req: PreparePut, columns: dict[str, Column], coalesce: bool = True
+    ) -> BatchMeta:
+        """Store a put's rows; with ``coalesce`` (and ``coalesce_window`` not None) together with
+        the puts issued with it (``coalesce.py``)."""
         partition = req.partition
         if req.n_rows == 0:  # every row was rejected: count them, store nothing
             await self._ask(CountRejected(rid=0, partition=partition, count=req.rejected), Ok)
             return BatchMeta(partition, [], [], [], [], [], [], list(columns), {},
                              rejected=req.rejected)  # fmt: skip
-        wait = None if req.timeout is None else req.timeout + GET_GRACE
         direct = req.nbytes < self.config.direct_put_bytes and self.unit_addresses
         if direct and partition not in self._placed:
+            if coalesce and self.config.coalesce_window is not None:
+                return await self._coalesced(req, columns)
+            return await self._put_one(req, columns)
+        return await self._put_placed(req, columns)
+
+    async def _put_one(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
+        """A put in one exchange, or placed by the controller when its partition needs that."""
+        if req.partition not in self._placed:
+            wait = None if req.timeout is None else req.timeout + GET_GRACE
             try:
                 return await self._put_direct(req, columns, wait)
             except PlacementRequiredError:  # refused before anything was stored: place it
-                self._placed.add(partition)
+                self._placed.add(req.partition)
+        return await self._put_placed(req, columns)
+
+    async def _coalesced(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
+        """Send the put with the others issued with it (``coalesce.py``); its own rows back. The
+        first put of a merge key waits a loop turn (or the window) for the others to join, then
+        sends them all."""
+        loop = asyncio.get_running_loop()
+        key = coalesce.merge_key(req)
+        answer: asyncio.Future[BatchMeta] = loop.create_future()
+        mine = coalesce.Pending(req, columns, answer)
+        waiting = self._coalescing.get(key)
+        if waiting is not None:  # the first one sends it
+            waiting.append(mine)
+            return await answer
+        self._coalescing[key] = [mine]
+        try:
+            await asyncio.sleep(self.config.coalesce_window or 0.0)
+        except BaseException:
+            answer.cancel()  # cancelled before anything was sent: this put is not made
+            raise
+        finally:
+            # a caller cancelled meanwhile has no put made either; the others are sent by tasks
+            # of their own, so that no caller's cancellation cancels another's put
+            puts = [p for p in self._coalescing.pop(key) if not p.answer.done()]
+            if len(puts) > 1 or (puts and puts[0] is not mine):
+                for batch in coalesce.batches(puts):
+                    task = loop.create_task(self._put_batch(batch))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+        if puts == [mine]:
+            return await self._put_one(req, columns)
+        return await answer
+
+    async def _put_batch(self, puts: list[coalesce.Pending]) -> None:
+        """One put for ``puts``; refused, each is made on its own (its own answer)."""
+        try:
+            if len(puts) == 1:
+                result: Any = [await self._put_one(puts[0].req, puts[0].columns)]
+            else:
+                merged = await self._put_one(*coalesce.merge(puts))
+                result = coalesce.split(merged, puts)
+        except (UnitLostError, ConnectionLostError, ClosedError, RequestTimeoutError) as exc:
+            result = exc  # what happened to the merged put happened to each of them
+        except TQStreamError as exc:
+            if len(puts) == 1:
+                result = exc
+            else:  # refused as a whole, nothing kept: each on its own
+                outcomes = await asyncio.gather(
+                    *(self._put_one(p.req, p.columns) for p in puts), return_exceptions=True
+                )
+                result = list(outcomes)
+        except BaseException as exc:
+            result = exc
+            if not isinstance(exc, Exception):  # cancelled: the client is closing
+                for p in puts:
+                    if not p.answer.done():
+                        p.answer.set_exception(ClosedError("the client closed during the put"))
+                raise
+        for i, p in enumerate(puts):
+            outcome = result if isinstance(result, BaseException) else result[i]
+            if p.answer.done():  # its caller was cancelled
+                continue
+            if isinstance(outcome, BaseException):
+                p.answer.set_exception(outcome)
+            else:
+                p.answer.set_result(outcome)
+
+    async def _put_placed(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
+        """A put the controller places first (prepare), then stored on its units and committed."""
+        partition = req.partition
+        wait = None if req.timeout is None else req.timeout + GET_GRACE
         plan: PutPlan = await self._ask(req, PutPlan, timeout=wait)
 
         async def store() -> BatchMeta:

@@ -1,0 +1,188 @@
+"""Coalesced puts: concurrent puts of one client go as one message and one commit, each caller
+getting its own rows, and a refusal fails only the put it is about — on both deployments."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import tqstream
+from tqstream.client.core import ClientCore
+from tqstream.config import ClientConfig
+from tqstream.errors import ConfigError, DuplicateKeyError, GroupError, SchemaError
+
+
+@pytest.fixture
+def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row count of every one-exchange put a client of this process sends."""
+    seen: list[int] = []
+    send = ClientCore._put_direct
+
+    async def counted(self: ClientCore, req: Any, *args: Any) -> Any:
+        seen.append(req.n_rows)
+        return await send(self, req, *args)
+
+    monkeypatch.setattr(ClientCore, "_put_direct", counted)
+    return seen
+
+
+@pytest.fixture
+def windowed(deployment: tuple[str, str]) -> Iterator[tqstream.Client]:
+    c = tqstream.connect(deployment[1], ClientConfig(coalesce_window=0.05))
+    yield c
+    c.close()
+
+
+def trajectory(i: int) -> dict[str, Any]:
+    return {"tokens": [torch.arange(i % 7 + 1)], "reward": torch.tensor([float(i)])}
+
+
+async def put_all(client: tqstream.Client, partition: str, n: int, **kw: Any) -> list[Any]:
+    return await asyncio.gather(
+        *(client.async_put(trajectory(i), partition, version=i % 3, **kw) for i in range(n))
+    )
+
+
+def test_concurrent_puts_go_as_one_and_each_caller_gets_its_own_rows(
+    client: tqstream.Client, partition: str, sends: list[int]
+) -> None:
+    metas = asyncio.run(put_all(client, partition, 32, tags=None))
+    assert sends == [32]  # one message, one commit
+    assert [len(m) for m in metas] == [1] * 32
+    assert len({m.row_ids[0] for m in metas}) == 32
+    assert [m.version_start for m in metas] == [[i % 3] for i in range(32)]
+    got = client.get(partition, ["tokens", "reward"], 32, "t", timeout=10)
+    by_row = dict(zip(got.meta.row_ids, range(32), strict=True))
+    for i, m in enumerate(metas):
+        row = by_row[m.row_ids[0]]
+        assert torch.equal(got.data["tokens"][row], torch.arange(i % 7 + 1))
+        assert float(got.data["reward"][row]) == float(i)
+        assert got.meta.version_start[row] == i % 3
+    client.ack(got.meta)
+
+
+def test_a_refused_put_fails_only_its_own_caller(
+    client: tqstream.Client, partition: str, sends: list[int]
+) -> None:
+    client.put(trajectory(0), partition, keys=["taken"])
+    sends.clear()
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(
+            *(
+                client.async_put(trajectory(i), partition, keys=[k])
+                for i, k in enumerate(["a", "taken", "b", "c"])
+            ),
+            return_exceptions=True,
+        )
+
+    a, taken, b, c = asyncio.run(go())
+    assert isinstance(taken, DuplicateKeyError)
+    assert [m.keys for m in (a, b, c)] == [["a"], ["b"], ["c"]]
+    assert sends[0] == 4 and sorted(sends[1:]) == [1, 1, 1, 1]  # refused whole, then one by one
+    assert client.stats(partition).partitions[partition].rows == 4  # nothing more, nothing less
+
+
+def test_puts_that_cannot_travel_together_go_on_their_own(
+    client: tqstream.Client, partition: str, sends: list[int]
+) -> None:
+    async def go() -> list[Any]:
+        return await asyncio.gather(
+            client.async_put(trajectory(0), partition),
+            client.async_put({"other": torch.zeros(1, 2)}, partition),  # other fields
+            client.async_put(trajectory(1), partition, groups=["g"]),  # the same group, each
+            client.async_put(trajectory(2), partition, groups=["g"]),  # sized by its own put
+            client.async_put(trajectory(3), partition, groups=["h"]),
+            return_exceptions=True,
+        )
+
+    out = asyncio.run(go())
+    assert sorted(sends) == [1, 1, 1, 2]  # the first and the "h" one together
+    # as one after the other: the first "g" put makes a group of one, the second is refused
+    assert sum(isinstance(x, GroupError) for x in out) == 1
+    assert not any(isinstance(x, Exception) and not isinstance(x, GroupError) for x in out)
+
+
+def test_a_window_gathers_puts_issued_apart(
+    windowed: tqstream.Client, partition: str, sends: list[int]
+) -> None:
+    async def go() -> list[Any]:
+        async def later(i: int) -> Any:
+            await asyncio.sleep(0.002 * i)
+            return await windowed.async_put(trajectory(i), partition)
+
+        return await asyncio.gather(*(later(i) for i in range(5)))
+
+    metas = asyncio.run(go())
+    assert sends == [5] and [len(m) for m in metas] == [1] * 5
+
+
+def test_threads_of_the_sync_api_coalesce_safely(
+    windowed: tqstream.Client, partition: str, sends: list[int]
+) -> None:
+    metas: list[Any] = []
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            metas.append(windowed.put(trajectory(i), partition, keys=[f"k{i}"]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(k for m in metas for k in m.keys) == sorted(f"k{i}" for i in range(8))
+    assert sum(sends) == 8 and len(sends) < 8
+
+
+def test_coalescing_off(deployment: tuple[str, str], partition: str, sends: list[int]) -> None:
+    with tqstream.connect(deployment[1], ClientConfig(coalesce_window=None)) as c:
+        asyncio.run(put_all(c, partition, 4))
+    assert sends == [1, 1, 1, 1]
+    with pytest.raises(ConfigError, match="coalesce_window must be >= 0"):
+        ClientConfig(coalesce_window=-1.0)
+
+
+def test_a_schema_clash_inside_a_merged_put_fails_its_own_caller(
+    client: tqstream.Client, partition: str
+) -> None:
+    client.put({"x": torch.zeros(1, 2)}, partition)
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(
+            client.async_put({"x": torch.zeros(1, 2)}, partition),
+            client.async_put({"x": torch.zeros(1, 3)}, partition),  # stored as [2]
+            client.async_put({"x": torch.ones(1, 2)}, partition),
+            return_exceptions=True,
+        )
+
+    ok1, bad, ok2 = asyncio.run(go())
+    assert isinstance(bad, SchemaError) and len(ok1) == len(ok2) == 1
+    assert client.stats(partition).partitions[partition].rows == 3
+
+
+def test_a_put_cancelled_before_it_is_sent_is_not_made(
+    windowed: tqstream.Client, partition: str, sends: list[int]
+) -> None:
+    async def go() -> tuple[Any, ...]:
+        first = asyncio.ensure_future(windowed.async_put(trajectory(0), partition, keys=["a"]))
+        second = asyncio.ensure_future(windowed.async_put(trajectory(1), partition, keys=["b"]))
+        third = asyncio.ensure_future(windowed.async_put(trajectory(2), partition, keys=["c"]))
+        await asyncio.sleep(0.01)  # all three wait in the window
+        first.cancel()  # the one that would have sent them
+        second.cancel()
+        return await asyncio.gather(first, second, third, return_exceptions=True)
+
+    first, second, third = asyncio.run(go())
+    assert isinstance(first, asyncio.CancelledError) and isinstance(second, asyncio.CancelledError)
+    assert third.keys == ["c"] and sends == [1]
+    assert windowed.list_keys(partition) == ["c"]
