@@ -88,10 +88,13 @@ class Concurrency:
 @dataclasses.dataclass(frozen=True)
 class Producers:
     """``producers`` processes each put ``rows / producers`` rows, ``group`` rows per put (one
-    trajectory, or one group of a prompt's samples), while one consumer reads ``batch`` rows at a
-    time and acks them. Trajectory lengths are uniform in ``[min_length, max_length]``, the
-    first ``prompt`` tokens of each carry version -1. ``warmup_rows`` go through once, untimed,
-    before the measured rounds (connections, worker pools and caches warm up; data checked)."""
+    trajectory, or one group of a prompt's samples), ``in_flight`` puts at a time (1: one after
+    the other; more: that many asyncio tasks each putting its next trajectory as soon as its last
+    put returned, as an agent-loop worker hands over the rollouts it runs at once), while one
+    consumer reads ``batch`` rows at a time and acks them. Trajectory lengths are uniform in
+    ``[min_length, max_length]``, the first ``prompt`` tokens of each carry version -1.
+    ``warmup_rows`` go through once, untimed, before the measured rounds (connections, worker
+    pools and caches warm up; data checked)."""
 
     group: int = 1
     producers: int = 8
@@ -102,6 +105,7 @@ class Producers:
     prompt: int = 256
     rounds: int = 1
     warmup_rows: int = 256
+    in_flight: int = 1
 
     def __post_init__(self) -> None:
         # every producer puts the same number of whole puts; the consumer reads whole batches
@@ -119,9 +123,10 @@ class Producers:
     @property
     def case(self) -> str:
         what = "1 trajectory" if self.group == 1 else f"1 group of {self.group}"
+        flight = f", {self.in_flight} puts in flight each" if self.in_flight > 1 else ""
         return (
-            f"{self.producers} producers x {what} per put, L {self.min_length}-{self.max_length}, "
-            f"batches of {self.batch}, {self.rows} rows"
+            f"{self.producers} producers x {what} per put{flight}, L {self.min_length}-"
+            f"{self.max_length}, batches of {self.batch}, {self.rows} rows"
         )
 
     def sized(self) -> Producers:
@@ -154,6 +159,8 @@ PRODUCERS = {
     # within ~2 minutes on 2 cores (TransferQueue moves ~170 of them a second there)
     "trajectory": Producers(group=1, rows=2048),
     "group": Producers(group=8, rows=4096),
+    # an agent-loop worker: 32 rollouts at once per process, each handed over when it ends
+    "agent": Producers(group=1, rows=4096, in_flight=32),
 }
 METADATA_ROWS = (10**3, 10**4, 10**5, 10**6)
 SWEEP_BATCHES = (16, 64, 256, 1024)

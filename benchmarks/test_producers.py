@@ -19,6 +19,7 @@ verl's fully-async rollouter sends its samples.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -75,6 +76,10 @@ class Producer:
     def put(self, item: Trajectories, tag: str) -> None:
         raise NotImplementedError
 
+    async def async_put(self, item: Trajectories, tag: str) -> None:
+        """The put of one of several rollouts in flight (the system's own async put)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Disconnect."""
 
@@ -89,9 +94,15 @@ class TQStreamProducer(Producer):
         self.client = tqstream.connect(address, config=config)
 
     def put(self, item: Trajectories, tag: str) -> None:
+        self.client.put(item.fields(), tag, groups=self._groups(item))
+
+    async def async_put(self, item: Trajectories, tag: str) -> None:
+        await self.client.async_put(item.fields(), tag, groups=self._groups(item))
+
+    @staticmethod
+    def _groups(item: Trajectories) -> list[str] | None:
         rows = len(item.rewards)
-        groups = None if rows == 1 else [f"g{int(item.rewards[0])}"] * rows
-        self.client.put(item.fields(), tag, groups=groups)
+        return None if rows == 1 else [f"g{int(item.rewards[0])}"] * rows
 
     def close(self) -> None:
         self.client.close()
@@ -138,11 +149,18 @@ class TransferQueueProducer(Producer):
         self.client = tq.get_client()
 
     def put(self, item: Trajectories, tag: str) -> None:
+        self.client.put(data=self._data(item), partition_id=tag)
+
+    async def async_put(self, item: Trajectories, tag: str) -> None:
+        await self.client.async_put(data=self._data(item), partition_id=tag)
+
+    @staticmethod
+    def _data(item: Trajectories) -> Any:
         from tensordict import TensorDict
 
         data = {name: _jagged(rows) for name, rows in item.ragged.items()}
         data["rewards"] = item.rewards
-        self.client.put(data=TensorDict(data, batch_size=[len(item.rewards)]), partition_id=tag)
+        return TensorDict(data, batch_size=[len(item.rewards)])
 
     def close(self) -> None:
         self.ray.shutdown()
@@ -158,6 +176,11 @@ class RayQueueProducer(Producer):
     def put(self, item: Trajectories, tag: str) -> None:
         blob = self.ray.cloudpickle.dumps(item.fields())
         if not self.ray.get(self.queue.put_sample.remote(blob)):
+            raise RuntimeError("the Ray queue dropped a sample (queue full)")
+
+    async def async_put(self, item: Trajectories, tag: str) -> None:
+        blob = self.ray.cloudpickle.dumps(item.fields())
+        if not await self.queue.put_sample.remote(blob):
             raise RuntimeError("the Ray queue dropped a sample (queue full)")
 
     def close(self) -> None:
@@ -195,11 +218,12 @@ DISCONNECT = "disconnect"
 def producer_main(conn: Connection, start: Any) -> None:
     """A producer process, serving one system after another: on :class:`Connect` it connects, on
     each :class:`Job` it builds its trajectories (untimed), waits for the common start, puts them
-    one at a time and sends back each put's duration, on ``DISCONNECT`` it disconnects. A failure
-    is sent back as its traceback and breaks the start barrier, so the benchmark never waits on
-    it; the process then exits."""
+    one at a time (or ``in_flight`` at a time, on the process's one event loop) and sends back
+    each put's duration, on ``DISCONNECT`` it disconnects. A failure is sent back as its traceback
+    and breaks the start barrier, so the benchmark never waits on it; the process then exits."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     producer: Producer | None = None
+    loop = asyncio.new_event_loop()  # kept: clients keep what they set up on it (connections)
     try:
         conn.send(("ready", None))
         while (command := conn.recv()) is not None:
@@ -214,11 +238,15 @@ def producer_main(conn: Connection, start: Any) -> None:
                 )
                 conn.send(("armed", None))
                 start.wait(WAIT)
-                times = []
-                for item in items:
-                    began = time.perf_counter()
-                    producer.put(item, job.tag)
-                    times.append(time.perf_counter() - began)
+                times: list[float] = []
+                if job.config.in_flight > 1:
+                    flight = _in_flight(producer, items, job.tag, job.config.in_flight, times)
+                    loop.run_until_complete(flight)
+                else:
+                    for item in items:
+                        began = time.perf_counter()
+                        producer.put(item, job.tag)
+                        times.append(time.perf_counter() - began)
                 conn.send(("done", times))
             elif command == DISCONNECT and producer is not None:
                 closing: Producer = producer
@@ -231,7 +259,23 @@ def producer_main(conn: Connection, start: Any) -> None:
     finally:
         if producer is not None:
             producer.close()
+        loop.close()
         conn.close()
+
+
+async def _in_flight(
+    producer: Producer, items: list[Trajectories], tag: str, tasks: int, times: list[float]
+) -> None:
+    """``tasks`` rollouts at once: each task puts the next trajectory when its last put returned."""
+    queue = iter(items)
+
+    async def rollouts() -> None:
+        for item in queue:
+            began = time.perf_counter()
+            await producer.async_put(item, tag)
+            times.append(time.perf_counter() - began)
+
+    await asyncio.gather(*(rollouts() for _ in range(tasks)))
 
 
 class Pool:

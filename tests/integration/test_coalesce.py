@@ -186,3 +186,39 @@ def test_a_put_cancelled_before_it_is_sent_is_not_made(
     assert isinstance(first, asyncio.CancelledError) and isinstance(second, asyncio.CancelledError)
     assert third.keys == ["c"] and sends == [1]
     assert windowed.list_keys(partition) == ["c"]
+
+
+def test_concurrent_acks_and_releases_go_as_one_message_each_answered_alone(
+    client: tqstream.Client, partition: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import msgspec
+
+    from tqstream.errors import UnknownLeaseError
+
+    sent: list[int] = []
+    send = ClientCore._send_consume
+
+    async def counted(self: ClientCore, items: Any) -> None:
+        sent.append(len(items))
+        await send(self, items)
+
+    monkeypatch.setattr(ClientCore, "_send_consume", counted)
+    client.put({"x": torch.arange(8.0).reshape(8, 1)}, partition)
+    batches = [client.get(partition, "x", 2, "t", timeout=10) for _ in range(4)]
+    foreign = msgspec.structs.replace(batches[3].meta, task="other")
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(
+            client.async_ack(batches[0].meta),
+            client.async_ack(batches[1].meta),
+            client.async_release(batches[2].meta),
+            client.async_ack(foreign),  # not this task's lease: fails alone
+            return_exceptions=True,
+        )
+
+    first, second, released, bad = asyncio.run(go())
+    assert sent == [4] and (first, second, released) == (2, 2, 2)
+    assert isinstance(bad, UnknownLeaseError)
+    t = client.stats(partition).partitions[partition].tasks["t"]
+    assert (t.acked, t.leased, t.available) == (4, 2, 2)
+    client.ack(batches[3].meta)

@@ -714,7 +714,7 @@ class Client:
     # --- consumption ---
     def ack(self, meta: BatchMeta) -> int:
         """Consume the leased rows of ``meta`` for its task; returns how many were newly acked."""
-        return self._sync(ClientCore.ack, meta)
+        return self._consume(meta, False)
 
     async def async_ack(self, meta: BatchMeta) -> int:
         return await self._async(ClientCore.ack, meta)
@@ -732,7 +732,13 @@ class Client:
 
     def release(self, meta: BatchMeta) -> int:
         """Give the leased rows back unconsumed; they keep their place in the order."""
-        return self._sync(ClientCore.ack, meta, True)
+        return self._consume(meta, True)
+
+    def _consume(self, meta: BatchMeta, release: bool) -> int:
+        if self.config.coalesce_window:  # acks of several threads meet on the IO thread
+            self._check()
+            return self._io.run(ClientCore.ack(self._core, meta, release))  # type: ignore[no-any-return]
+        return self._sync(ClientCore.ack, meta, release, False)  # type: ignore[no-any-return]
 
     async def async_release(self, meta: BatchMeta) -> int:
         return await self._async(ClientCore.ack, meta, True)

@@ -58,7 +58,9 @@ from tqstream.protocol.messages import (
     ClearSamples,
     Columns,
     CommitPut,
+    Consume,
     CountRejected,
+    ErrorReply,
     Fetch,
     FieldsPlan,
     GetByKeys,
@@ -75,16 +77,19 @@ from tqstream.protocol.messages import (
     PutRows,
     Region,
     Release,
+    Results,
     Spare,
     StatsReply,
     Store,
     Welcome,
 )
-from tqstream.protocol.transport import context
+from tqstream.protocol.transport import context, error_from_reply
 from tqstream.protocol.wire import column_from_wire, columns_to_wire
 from tqstream.types import BatchMeta, Stats
 
 T = TypeVar("T")
+
+CLOSED_DURING = "the client closed before the request was answered"
 
 GET_GRACE = 10.0
 """Extra seconds a client waits for a parked get beyond its server-side timeout."""
@@ -169,6 +174,7 @@ class ClientCore:
         self._skip: dict[int, float] = {}  # unit -> until when direct puts avoid it (unreachable)
         self._placed: set[str] = set()  # partitions whose puts the controller must place
         self._coalescing: dict[Hashable, list[coalesce.Pending]] = {}  # puts about to be sent
+        self._consuming: list[tuple[Ack | Release, asyncio.Future[int]]] | None = None  # acks
 
     @classmethod
     async def open(
@@ -404,7 +410,7 @@ class ClientCore:
             if not isinstance(exc, Exception):  # cancelled: the client is closing
                 for p in puts:
                     if not p.answer.done():
-                        p.answer.set_exception(ClosedError("the client closed during the put"))
+                        p.answer.set_exception(ClosedError(CLOSED_DURING))
                 raise
         for i, p in enumerate(puts):
             outcome = result if isinstance(result, BaseException) else result[i]
@@ -675,7 +681,9 @@ class ClientCore:
         return (await self._ask(ListKeys(rid=0, partition=partition), KeysReply)).keys
 
     # --- consumption and lifecycle ---
-    async def ack(self, meta: BatchMeta, release: bool = False) -> int:
+    async def ack(self, meta: BatchMeta, release: bool = False, coalesce: bool = True) -> int:
+        """Ack (or release) ``meta``'s rows; with ``coalesce`` (and ``coalesce_window`` not None)
+        in one message with the acks and releases issued with it, each answered alone."""
         if meta.lease_id is None or meta.task is None:
             raise InvalidRequestError(
                 "this BatchMeta holds no lease (it came from put or get_by_keys); only batches "
@@ -687,7 +695,52 @@ class ClientCore:
         else:
             msg = Ack(rid=0, partition=p, task=t, lease_id=lease, row_ids=rows,
                       tokens_masked=meta.tokens_masked)  # fmt: skip
+        if coalesce and self.config.coalesce_window is not None:
+            return await self._consume_coalesced(msg)
         return (await self._ask(msg, Ok)).count
+
+    async def _consume_coalesced(self, msg: Ack | Release) -> int:
+        """Send the ack with the others issued with it (one ``Consume``); its own count back."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[int] = loop.create_future()
+        if self._consuming is not None:  # the first one sends them
+            self._consuming.append((msg, answer))
+            return await answer
+        self._consuming = [(msg, answer)]
+        try:
+            await asyncio.sleep(self.config.coalesce_window or 0.0)
+        except BaseException:
+            answer.cancel()  # not sent: this ack is not made
+            raise
+        finally:
+            items = [(m, a) for m, a in self._consuming if not a.done()]
+            self._consuming = None
+            if len(items) > 1 or (items and items[0][1] is not answer):
+                task = loop.create_task(self._send_consume(items))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        if len(items) == 1:
+            return (await self._ask(msg, Ok)).count
+        return await answer
+
+    async def _send_consume(self, items: list[tuple[Ack | Release, asyncio.Future[int]]]) -> None:
+        try:
+            reply = await self._ask(Consume(rid=0, items=[m for m, _ in items]), Results)
+        except BaseException as exc:
+            failure = exc if isinstance(exc, Exception) else ClosedError(CLOSED_DURING)
+            for _, answer in items:
+                if not answer.done():
+                    answer.set_exception(failure)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, answer), result in zip(items, reply.results, strict=True):
+            if answer.done():  # its caller was cancelled
+                continue
+            if isinstance(result, ErrorReply):
+                answer.set_exception(error_from_reply(result))
+            else:
+                answer.set_result(result.count)
 
     async def clear_samples(self, meta: BatchMeta) -> None:
         await self._ask(ClearSamples(rid=0, partition=meta.partition, row_ids=meta.row_ids), Ok)

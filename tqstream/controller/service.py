@@ -42,6 +42,7 @@ from tqstream.protocol.messages import (
     ClearSamples,
     ClosePartition,
     CommitPut,
+    Consume,
     CountRejected,
     CreateAdmission,
     CreatePartition,
@@ -69,6 +70,7 @@ from tqstream.protocol.messages import (
     ReleaseSlots,
     ResetConsumption,
     ResetUnit,
+    Results,
     RowsReply,
     SaveCheckpoint,
     Slots,
@@ -245,15 +247,16 @@ class ControllerService:
                 case AbortPut():
                     self._apply(s.abort(msg.put_id))
                     return Ok(rid=msg.rid)
-                case Ack():
-                    n, effects = s.ack(msg.partition, msg.task, msg.lease_id, msg.row_ids,
-                                       msg.tokens_masked)  # fmt: skip
-                    self._apply(effects)
-                    return Ok(rid=msg.rid, count=n)
-                case Release():
-                    n, effects = s.release(msg.partition, msg.task, msg.lease_id, msg.row_ids, now)
-                    self._apply(effects)
-                    return Ok(rid=msg.rid, count=n)
+                case Ack() | Release():
+                    return self._consume(msg, now)
+                case Consume():
+                    answers: list[Ok | ErrorReply] = []
+                    for item in msg.items:  # each as if it came alone: its own answer
+                        try:
+                            answers.append(self._consume(item, now))
+                        except TQStreamError as exc:
+                            answers.append(error_reply(exc, "the controller failed on an ack"))
+                    return Results(rid=msg.rid, results=answers)
                 case GetByKeys():
                     meta = s.get_by_keys(
                         msg.partition, msg.keys, msg.fields, msg.row_ids, msg.missing_ok
@@ -330,6 +333,16 @@ class ControllerService:
                     )
         finally:
             self._rearm()
+
+    def _consume(self, msg: Ack | Release, now: float) -> Ok:
+        s = self.state
+        if isinstance(msg, Ack):
+            n, effects = s.ack(msg.partition, msg.task, msg.lease_id, msg.row_ids,
+                               msg.tokens_masked)  # fmt: skip
+        else:
+            n, effects = s.release(msg.partition, msg.task, msg.lease_id, msg.row_ids, now)
+        self._apply(effects)
+        return Ok(rid=msg.rid, count=n)
 
     # --- effects ---
     def _apply(self, effects: Effects) -> list[asyncio.Task[Any]]:

@@ -27,7 +27,7 @@ from tqstream.types import (
     UnitStats,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # --- bounds of every number a request carries: checked when a server decodes it (a request out of
 # them is refused with MalformedMessageError naming the field) and by the client before sending
@@ -285,6 +285,13 @@ class Release(_Msg, frozen=True, tag="release"):
     row_ids: Ids
 
 
+class Consume(_Msg, frozen=True, tag="consume"):
+    """Acks and releases of one client sent together (coalesced): each is carried out as if it
+    came alone, in order, and answered alone (``Results``)."""
+
+    items: list[Ack | Release]
+
+
 class ClearSamples(_Msg, frozen=True, tag="clear_samples"):
     partition: str
     row_ids: Ids
@@ -486,6 +493,7 @@ Request = (
     | ResetConsumption
     | Ack
     | Release
+    | Consume
     | ClearSamples
     | ClearPartition
     | ClosePartition
@@ -550,6 +558,12 @@ class StoredResults(_Msg, frozen=True, tag="stored_results"):
     """The controller's answer to ``PutStored``: one result per put, in order."""
 
     results: list[StoredReply | ErrorReply]
+
+
+class Results(_Msg, frozen=True, tag="results"):
+    """The controller's answer to ``Consume``: one result per item, in order."""
+
+    results: list[Ok | ErrorReply]
 
 
 class FieldsPlan(_Msg, frozen=True, tag="fields_plan"):
@@ -622,6 +636,7 @@ Reply = (
     | PutPlan
     | StoredReply
     | StoredResults
+    | Results
     | FieldsPlan
     | MetaReply
     | KeysReply
