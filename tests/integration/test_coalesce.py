@@ -222,3 +222,21 @@ def test_concurrent_acks_and_releases_go_as_one_message_each_answered_alone(
     t = client.stats(partition).partitions[partition].tasks["t"]
     assert (t.acked, t.leased, t.available) == (4, 2, 2)
     client.ack(batches[3].meta)
+
+
+def test_puts_that_grow_past_direct_put_bytes_together_are_placed(
+    deployment: tuple[str, str], partition: str, sends: list[int]
+) -> None:
+    config = ClientConfig(direct_put_bytes=1000)
+    with tqstream.connect(deployment[1], config) as c:
+
+        async def go() -> list[Any]:
+            return await asyncio.gather(
+                *(c.async_put({"x": torch.full((1, 100), float(i))}, partition) for i in range(4))
+            )
+
+        metas = asyncio.run(go())  # 400 bytes each: one exchange alone, 1,600 together
+        assert sends == [] and [len(m) for m in metas] == [1] * 4
+        got = c.get(partition, "x", 4, "t", timeout=10)
+        values = sorted(float(v) for v in got.data["x"][:, 0])
+        assert values == [0.0, 1.0, 2.0, 3.0]

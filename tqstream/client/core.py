@@ -347,8 +347,9 @@ class ClientCore:
         return await self._put_placed(req, columns)
 
     async def _put_one(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
-        """A put in one exchange, or placed by the controller when its partition needs that."""
-        if req.partition not in self._placed:
+        """A put in one exchange, or placed by the controller when its partition needs that (or
+        it grew to ``direct_put_bytes`` by coalescing)."""
+        if req.partition not in self._placed and req.nbytes < self.config.direct_put_bytes:
             wait = None if req.timeout is None else req.timeout + GET_GRACE
             try:
                 return await self._put_direct(req, columns, wait)
