@@ -28,7 +28,8 @@ def test_benchmark_suite_runs() -> None:
 
 def test_producers_benchmark_reports_rates_and_ratios() -> None:
     """The producers scenario at its smallest (2 producers, 16 puts each) through the report: one
-    table per variant (one trajectory, a group, 32 trajectories in flight) with rows/s, put p50 / p99 and tqstream's rows/s over each system's."""
+    table per variant (one trajectory, a group, 32 trajectories in flight) with rows/s, put p50 /
+    p99 and tqstream's rows/s over each system's."""
     systems = ["tqstream-embedded", "transferqueue"]
     cmd = [
         sys.executable, "-m", "benchmarks.report", "-k", "producers", "--bench-quick",
