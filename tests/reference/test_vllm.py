@@ -113,8 +113,12 @@ def _across_a_sync(rig: Rig, mode: str, call: str) -> tuple[int, list[Completion
         target=lambda: got.extend(getattr(rig.engine, call)([rig.prompt] * 16, 120))
     )
     try:
+        before = rig.engine.streamed
         run.start()
-        time.sleep(0.2)  # mid-request: 16 x 120 tokens take longer than this on a CPU
+        deadline = time.monotonic() + 60
+        while rig.engine.streamed < before + 16 * 3:  # mid-request: every request a few steps in
+            assert run.is_alive() and time.monotonic() < deadline, "generation did not start"
+            time.sleep(0.001)
         rig.sync(rig.perturbed(), start + 1)
         run.join(120)
     finally:

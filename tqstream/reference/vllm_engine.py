@@ -78,6 +78,7 @@ class VLLMEngine(RolloutEngine):
 
         self.eos_id, self.temperature, self.update_mode = eos_id, temperature, update_mode
         self.version = version
+        self.streamed = 0  # outputs vLLM streamed so far: one per running request and step
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tqstream-vllm",
@@ -130,6 +131,7 @@ class VLLMEngine(RolloutEngine):
         request = f"tqstream-{next(self._ids)}"
         async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request):
             final = out
+            self.streamed += 1
         assert final is not None
         c = final.outputs[0]
         tokens = list(c.token_ids)
