@@ -90,7 +90,10 @@ class TQStreamProducer(Producer):
     def __init__(self, address: str, shared_memory: str) -> None:
         import tqstream
 
-        config = tqstream.ClientConfig(shared_memory=shared_memory)
+        from tqstream.config import ClientConfig, from_env
+
+        # TQSTREAM_<FIELD> variables apply (e.g. TQSTREAM_COALESCE_WINDOW=none to compare)
+        config = from_env(ClientConfig, shared_memory=shared_memory)
         self.client = tqstream.connect(address, config=config)
 
     def put(self, item: Trajectories, tag: str) -> None:
