@@ -89,7 +89,6 @@ class TQStreamProducer(Producer):
 
     def __init__(self, address: str, shared_memory: str) -> None:
         import tqstream
-
         from tqstream.config import ClientConfig, from_env
 
         # TQSTREAM_<FIELD> variables apply (e.g. TQSTREAM_COALESCE_WINDOW=none to compare)
