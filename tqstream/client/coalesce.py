@@ -25,7 +25,7 @@ from tqstream.protocol.messages import PreparePut
 from tqstream.types import BatchMeta
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Pending:
     """A put waiting to be sent, and where its caller waits for the answer."""
 

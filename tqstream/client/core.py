@@ -384,7 +384,7 @@ class ClientCore:
                     task = loop.create_task(self._put_batch(batch))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
-        if puts == [mine]:
+        if len(puts) == 1 and puts[0] is mine:
             return await self._put_one(req, columns)
         return await answer
 
