@@ -18,13 +18,20 @@ from typing import TypeGuard, cast, get_args
 from tqstream.errors import InvalidRequestError
 from tqstream.types import Measure, OnStale
 
-__all__ = ["StalenessPolicy", "check_version", "is_version"]
+__all__ = ["MAX_VERSION", "StalenessPolicy", "check_version", "is_version"]
+
+MAX_VERSION = 2**31 - 1
+"""The largest policy version (the controller keeps versions as 32-bit integers)."""
 
 
 def is_version(value: object) -> TypeGuard[numbers.Integral]:
-    """Whether ``value`` is a policy version: an int >= 0 (numpy integers too, never a bool);
-    ``int(value)`` is then the version as a Python int."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
+    """Whether ``value`` is a policy version: an int in 0..MAX_VERSION (numpy integers too, never
+    a bool); ``int(value)`` is then the version as a Python int."""
+    return (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and 0 <= int(value) <= MAX_VERSION
+    )
 
 
 def check_version(value: object, name: str, *, optional: bool = True) -> int | None:
@@ -35,8 +42,8 @@ def check_version(value: object, name: str, *, optional: bool = True) -> int | N
     if not is_version(value):
         none = ", or None" if optional else ""
         raise InvalidRequestError(
-            f"{name} must be a policy version: an int >= 0 (the trainer's weight version, bumped "
-            f"at each update){none}; got {value!r}",
+            f"{name} must be a policy version: an int in 0..{MAX_VERSION} (the trainer's weight "
+            f"version, bumped at each update){none}; got {value!r}",
             **{name: repr(value)},
         )
     return int(value)

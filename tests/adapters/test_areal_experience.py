@@ -197,7 +197,7 @@ def test_current_version_must_be_an_int(
     exp = ArealExperience(client, partition=partition)
     with pytest.raises(
         InvalidRequestError,
-        match=rf"current_version must be a policy version: an int >= 0 \(.*\); got "
+        match=rf"current_version must be a policy version: an int in 0..2147483647 \(.*\); got "
         rf"{re.escape(repr(version))}",
     ):
         exp.put_experience(sample(2, 2, 0, 1.0), version)

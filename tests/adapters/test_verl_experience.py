@@ -104,7 +104,7 @@ def test_a_put_without_an_int_version_stores_nothing(
     exp = VerlExperience(client, partition=partition, fields=["responses"])
     with pytest.raises(
         tqstream.InvalidRequestError,
-        match=rf"current_version must be a policy version: an int >= 0 \(.*\); got "
+        match=rf"current_version must be a policy version: an int in 0..2147483647 \(.*\); got "
         rf"{re.escape(repr(version))}",
     ):
         exp.put_experience(group("a"), current_version=version)

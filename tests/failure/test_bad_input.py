@@ -54,13 +54,13 @@ def test_empty_put(client: Client, partition: str) -> None:
         client.put({}, partition)
 
 
-@pytest.mark.parametrize("bad", [-5, float("nan"), 1.0, True, "3"])
+@pytest.mark.parametrize("bad", [-5, float("nan"), 1.0, True, "3", 2**31])
 def test_a_version_that_is_not_a_policy_version_is_refused(
     client: Client, partition: str, bad: object
 ) -> None:
     message = (
-        "{name} must be a policy version: an int >= 0 (the trainer's weight version, bumped at "
-        f"each update), or None; got {bad!r}"
+        "{name} must be a policy version: an int in 0..2147483647 (the trainer's weight version, "
+        f"bumped at each update), or None; got {bad!r}"
     )
     with pytest.raises(tqstream.InvalidRequestError) as err:
         client.put({"x": torch.zeros(2)}, partition, version=bad)  # type: ignore[arg-type]
@@ -71,6 +71,18 @@ def test_a_version_that_is_not_a_policy_version_is_refused(
     with pytest.raises(tqstream.InvalidRequestError) as err:
         client.get(partition, "x", 1, "t", current_version=bad, max_staleness=1, timeout=0)  # type: ignore[arg-type]
     assert str(err.value) == message.format(name="current_version")
+    with pytest.raises(tqstream.UnknownPartitionError):
+        client.stats(partition)  # nothing was stored
+
+
+def test_a_per_token_version_beyond_32_bits_is_refused_by_the_controller(
+    client: Client, partition: str
+) -> None:
+    # the row's version range is derived from its tokens' versions; the controller keeps 32 bits
+    versions = torch.tensor([[-1, 3, 2**31]])
+    with pytest.raises(tqstream.InvalidRequestError) as err:
+        client.put({"x": torch.zeros(1, 3), "versions": versions}, partition, version=3)
+    assert "version_end 2147483648 is outside the versions tqstream keeps" in str(err.value)
     with pytest.raises(tqstream.UnknownPartitionError):
         client.stats(partition)  # nothing was stored
 

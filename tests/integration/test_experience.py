@@ -365,8 +365,8 @@ def test_errors(client: Client, partition: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         exp.put_experience(rollout(2), "v1")  # type: ignore[arg-type]
     assert str(info.value) == (
-        "current_version must be a policy version: an int >= 0 (the trainer's weight version, "
-        "bumped at each update); got 'v1'"
+        "current_version must be a policy version: an int in 0..2147483647 (the trainer's weight "
+        "version, bumped at each update); got 'v1'"
     )
     with pytest.raises(InvalidRequestError) as info:
         exp.get_experience(2, 0, task="actor")
@@ -376,8 +376,8 @@ def test_errors(client: Client, partition: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         exp.get_experience(2, None, task="actor", fields=FIELDS)  # type: ignore[arg-type]
     assert str(info.value) == (
-        "current_version must be a policy version: an int >= 0 (the trainer's weight version, "
-        "bumped at each update); got None"
+        "current_version must be a policy version: an int in 0..2147483647 (the trainer's weight "
+        "version, bumped at each update); got None"
     )
 
 

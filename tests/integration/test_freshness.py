@@ -688,14 +688,14 @@ def test_admission_misuse_messages(client: Client, partition: str) -> None:
         (
             lambda: adm.try_acquire(1, version=-1),
             tqstream.AdmissionError,
-            "policy version must be an int >= 0 (got -1); pass the weight version the trainer "
-            "published",
+            "policy version must be an int in 0..2147483647 (got -1); pass the weight version the "
+            "trainer published",
         ),
         (
             lambda: adm.on_version(-2),
             tqstream.AdmissionError,
-            "policy version must be an int >= 0 (got -2); pass the weight version the trainer "
-            "published",
+            "policy version must be an int in 0..2147483647 (got -2); pass the weight version the "
+            "trainer published",
         ),
         (
             adm.reset_staleness,

@@ -295,8 +295,8 @@ def test_direct_constructors_refuse_too() -> None:
         (lambda a: a.try_acquire(-1, 0), "try_acquire needs a slot count n >= 0 (got -1)"),
         (
             lambda a: a.try_acquire(1, -2),
-            "policy version must be an int >= 0 (got -2); pass the weight version the trainer "
-            "published",
+            "policy version must be an int in 0..2147483647 (got -2); pass the weight version the "
+            "trainer published",
         ),
     ],
 )

@@ -1,13 +1,16 @@
 """Request cost is O(batch x fields), independent of the partition's size.
 
-Deterministic, not timed: after the views exist, the rows table of a 50k-row partition is replaced
-by a dict that refuses iteration, and every per-request path must still work.
+Deterministic, not timed: after the views exist, the rows of a 50k-row partition refuse to be
+listed and the partition refuses to build a view (its one whole scan), and every per-request path
+must still work.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tqstream.controller.partition import Partition
+from tqstream.controller.rows import Rows
 from tqstream.controller.state import ControllerState
 from tqstream.protocol.messages import GetMeta, PrepareFields, PreparePut
 from tqstream.types import FieldSchema
@@ -16,11 +19,17 @@ ROWS = 50_000
 X = FieldSchema("dense", "float32", (4,))
 
 
-class NoScan(dict):  # type: ignore[type-arg]
-    def _refuse(self, *a: object) -> None:
-        raise AssertionError("a per-request path scanned the whole partition")
+def _refuse(*a: object) -> None:
+    raise AssertionError("a per-request path scanned the whole partition")
 
-    __iter__ = values = items = keys = _refuse  # type: ignore[assignment]
+
+class NoScan(Rows):
+    ids = values = items = __iter__ = _refuse  # type: ignore[assignment]
+
+
+def forbid_scans(p: Partition) -> None:
+    p.rows.__class__ = NoScan
+    p._ready_for = _refuse  # type: ignore[method-assign,assignment]
 
 
 def test_requests_never_scan_the_partition() -> None:
@@ -58,7 +67,7 @@ def test_requests_never_scan_the_partition() -> None:
         get(task, 1)
         get(task, 4, True)
     p = s.partitions["p"]
-    p.rows = NoScan(p.rows)
+    forbid_scans(p)
 
     m = get("a", 64)
     assert m is not None and len(m) == 64
@@ -88,7 +97,7 @@ def test_first_request_of_a_new_kind_builds_its_view_once() -> None:
     )
     s.commit(plan.put_id, 0)
     p = s.partitions["p"]
-    p.rows = NoScan(p.rows)
+    forbid_scans(p)
     with pytest.raises(AssertionError, match="scanned"):
         s.get_meta(
             GetMeta(rid=0, partition="p", fields=["x"], batch_size=1, task="new"), object(), 0

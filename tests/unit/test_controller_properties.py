@@ -36,8 +36,12 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
+from tqstream.controller import partition as partition_module
+from tqstream.controller import rows as rows_module
+from tqstream.controller import views as views_module
 from tqstream.controller.state import ControllerState, Effects
 from tqstream.errors import (
     DuplicateKeyError,
@@ -865,13 +869,14 @@ class ControllerMachine(RuleBasedStateMachine):
             for (task, mask), v in p.views.items():
                 fields = fields_of(mask)
                 expected = part.ready(task, fields)
-                got = list(v.ready.values())
+                got = list(v.rows())
                 assert set(got) == expected, (
                     f"view ({task!r}, {fields}) holds {sorted(got)}, brute force {sorted(expected)}"
                 )
-                assert len(got) == len(set(got))
-                assert all(v.seq_of[r] == seq for seq, r in v.ready.items())
-                assert set(v.seq_of) <= set(part.rows), "a view remembers a removed row"
+                assert len(got) == len(set(got)) == len(v)
+                seqs = [v.seq(r) for r in got]
+                assert seqs == sorted(seqs), "a view serves out of its entry order"
+                assert set(v.entered()) <= set(part.rows), "a view remembers a removed row"
                 order = sorted(expected, key=lambda rid: part.ready_time(rid, fields))
                 assert got == order, f"view ({task!r}, {fields}) order {got}, expected {order}"
             for (task, mask), gv in p.group_views.items():
@@ -1007,3 +1012,12 @@ ControllerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestControllerMachine = ControllerMachine.TestCase
+
+
+def test_the_machine_with_bulk_paths_and_trimming(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same machine with every bulk operation on its array path (no row-by-row path for a
+    few rows) and the row columns dropping their leading holes as soon as there is one."""
+    for module in (partition_module, rows_module, views_module):
+        monkeypatch.setattr(module, "SMALL", 0)
+    monkeypatch.setattr(partition_module, "TRIM_MIN", 1)
+    run_state_machine_as_test(ControllerMachine, settings=ControllerMachine.TestCase.settings)

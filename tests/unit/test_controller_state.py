@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tqstream.controller.partition import Partition
 from tqstream.controller.state import ControllerState, Effects
 from tqstream.errors import (
     CapacityError,
@@ -1069,15 +1070,23 @@ def test_a_stored_put_lands_on_its_unit_committed_and_leaves_no_deadline() -> No
     assert handle == "reader" and meta.row_ids == [0, 1]
 
 
+def held(p: Partition) -> dict[int, tuple[object, ...]]:
+    """Every row of ``p`` with its attributes."""
+    return {
+        rid: (p.key_of(r), r.unit, r.replica, r.nbytes, r.written, r.committed, r.version_start)
+        for rid, r in p.rows.items()
+    }
+
+
 def test_a_refused_stored_put_changes_nothing() -> None:
     s = new_state()
     s.put_stored(stored_req(1, keys=["k"]), 0, 0.0)
-    before = (dict(s.partitions["p"].rows), list(s.units.bytes))
+    before = (held(s.partitions["p"]), list(s.units.bytes))
     with pytest.raises(DuplicateKeyError):
         s.put_stored(stored_req(1, keys=["k"]), 1, 0.0)
     with pytest.raises(InvalidRequestError, match="storage unit 5 is not registered"):
         s.put_stored(stored_req(1), 5, 0.0)
-    assert (dict(s.partitions["p"].rows), list(s.units.bytes)) == before
+    assert (held(s.partitions["p"]), list(s.units.bytes)) == before
 
 
 def test_a_stored_put_waits_for_room_on_its_own_unit() -> None:

@@ -1,5 +1,6 @@
 """A ready view against a plain model: whatever rows are added, leased (removed), given back and
-forgotten, in whatever order and batch, it serves the same rows in the same order."""
+forgotten (a row forgotten is gone: its id never comes back), in whatever order and batch, it serves
+the same rows in the same order."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ def test_ready_view_serves_what_a_plain_model_does(steps: list[Op]) -> None:
     view = ReadyView("t", 1)
     seq_of: dict[int, int] = {}  # the model: each row's place while it lives
     ready: set[int] = set()
+    gone: set[int] = set()
     seq = 0
     for op, rows in steps:
         if op == "add":
             for row in rows:
+                if row in gone:
+                    continue
                 seq += 1
                 view.add(row, seq)
                 seq_of.setdefault(row, seq)
@@ -42,9 +46,10 @@ def test_ready_view_serves_what_a_plain_model_does(steps: list[Op]) -> None:
             view.remove(rows)
             ready.difference_update(rows)
         else:
-            view.forget(rows)
+            view.forget(list(dict.fromkeys(rows)))
             for row in rows:
                 seq_of.pop(row, None)
                 ready.discard(row)
+                gone.add(row)
         assert len(view) == len(ready)
         assert view.oldest(len(ready)) == sorted(ready, key=seq_of.__getitem__)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from tqstream.errors import AdmissionError
-from tqstream.staleness import is_version
+from tqstream.staleness import MAX_VERSION, is_version
 from tqstream.types import AdmissionStyle, check_outcome, check_style
 
 
@@ -57,8 +57,8 @@ def _check_ints(style: str, **config: object) -> None:
 def _version(version: object) -> int:
     if not is_version(version):
         raise AdmissionError(
-            f"policy version must be an int >= 0 (got {version!r}); pass the weight version the "
-            f"trainer published"
+            f"policy version must be an int in 0..{MAX_VERSION} (got {version!r}); pass the weight "
+            f"version the trainer published"
         )
     return int(version)
 

@@ -9,9 +9,11 @@ their units, forgets them in the leases that held them, and orders their storage
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
-from tqstream.controller.partition import Partition, Row
+from tqstream.controller.partition import Partition
 from tqstream.controller.records import Effects, Ids, LeaseTable
+from tqstream.controller.rows import Row
 from tqstream.controller.units import UnitTable
 from tqstream.errors import InvalidRequestError, UnknownPartitionError, UnknownRowError
 from tqstream.types import BatchMeta
@@ -100,22 +102,21 @@ class Catalog:
 
     def evict(
         self, p: Partition, row_ids: list[int], effects: Effects, order: bool = True
-    ) -> list[Row]:
-        """Delete committed rows for every task and (``order``) order their storage freed."""
+    ) -> list[int]:
+        """Delete committed rows for every task and (``order``) order their storage freed.
+        Returns the ids of the rows deleted."""
         rows = p.rows
-        removed = p.remove_rows([r for r in row_ids if r in rows and rows[r].committed])
-        drops: dict[int, list[int]] = {}
-        for r in removed:
-            self.units.charge(r.unit, r.replica, -r.nbytes)
-            if order:
-                for u in (r.unit, r.replica):
-                    if u >= 0:
-                        drops.setdefault(u, []).append(r.id)
-        for u, ids in drops.items():
-            effects.drop_rows.setdefault(u, {}).setdefault(p.name, []).extend(ids)
-        if removed:
-            self.leases.forget_rows(p.name, {r.id for r in removed})
-            effects.room = True
+        removed = p.remove_rows([r for r in row_ids if rows.committed(r)])
+        if not removed:
+            return removed
+        charges, holds = rows.on_units(removed)
+        for u, nbytes in charges.items():
+            self.units.bytes[u] -= nbytes
+        if order:
+            for u, ids in holds.items():
+                effects.drop_rows.setdefault(u, {}).setdefault(p.name, []).extend(ids)
+        self.leases.forget_rows(p.name, set(removed))
+        effects.room = True
         return removed
 
     @staticmethod
@@ -136,26 +137,31 @@ class Catalog:
     @staticmethod
     def meta(
         p: Partition,
-        rows: list[Row],
+        ids: Sequence[int],
         fields: list[str],
         task: str | None = None,
         lease_id: int | None = None,
     ) -> BatchMeta:
+        """The metadata of rows ``ids`` (in that order), read from the columns at once."""
+        t = p.rows
+        idx = t.index(ids) if len(ids) > 16 else t.at(ids)
+        replicas = t.column(t.replica, idx)
+        tags = [t.tags.get(rid) or {} for rid in ids] if t.tags else []
         return BatchMeta(
             partition=p.name,
-            row_ids=[r.id for r in rows],
-            keys=[p.key_of(r) for r in rows],
-            units=[r.unit for r in rows],
-            groups=[r.group for r in rows],
-            version_start=[r.version_start for r in rows],
-            version_end=[r.version_end for r in rows],
+            row_ids=list(ids),
+            keys=p.keys_of(ids),
+            units=t.column(t.unit, idx),
+            groups=t.groups(idx),
+            version_start=t.versions(t.vstart, idx),
+            version_end=t.versions(t.vend, idx),
             fields=list(fields),
             schemas={f: p.schemas[f] for f in fields if f in p.schemas},
             task=task,
             lease_id=lease_id,
-            dispatch_version=[r.dispatch_version for r in rows],
-            replicas=[r.replica for r in rows] if any(r.replica >= 0 for r in rows) else [],
-            tags=[r.tags or {} for r in rows] if any(r.tags for r in rows) else [],
+            dispatch_version=t.versions(t.vdisp, idx),
+            replicas=replicas if max(replicas, default=-1) >= 0 else [],
+            tags=tags if any(tags) else [],
         )
 
     def expire_ttl(self, owner: Partition, row_ids: list[int], effects: Effects) -> None:

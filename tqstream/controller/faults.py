@@ -64,15 +64,7 @@ class Faults:
             self.book.end(put.put_id, "unit-lost")
             self.writes.rollback(put, effects)
         for p in list(self.catalog.partitions.values()):
-            gone = []
-            for r in p.rows.values():
-                if r.replica == u:
-                    r.replica = -1
-                elif r.unit == u:
-                    if r.replica >= 0:
-                        r.unit, r.replica = r.replica, -1  # served from the copy from now on
-                    else:
-                        gone.append(r.id)
+            gone = p.rows.lose_unit(u)
             if not gone:
                 continue
             for name in {*p.tasks, *p.registered}:

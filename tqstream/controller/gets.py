@@ -10,6 +10,7 @@ back.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import msgspec
@@ -17,7 +18,7 @@ import msgspec
 from tqstream.controller.catalog import Catalog
 from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.flow import Flow
-from tqstream.controller.partition import Partition, Row
+from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import (
     Effects,
@@ -30,6 +31,7 @@ from tqstream.controller.records import (
     check_window,
     version_of,
 )
+from tqstream.controller.rows import COMMITTED
 from tqstream.errors import (
     InvalidRequestError,
     LeaseError,
@@ -105,8 +107,8 @@ class Gets:
             oldest = req.current_version - req.max_staleness
             measure = req.measure
 
-            def fresh(r: Row) -> bool:
-                v = version_of(r, measure)
+            def fresh(rid: int) -> bool:
+                v = version_of(p.row(rid), measure)
                 return v is None or v >= oldest
 
         rows = p.select(req.task, mask, req.batch_size, req.whole_groups, fresh)
@@ -144,7 +146,7 @@ class Gets:
         )
         self.leases.grant(lease)
         self.deadlines.add(lease.deadline, "lease", lease_id)
-        meta = self.catalog.meta(p, [p.rows[r] for r in rows], req.fields, req.task, lease_id)
+        meta = self.catalog.meta(p, rows, req.fields, req.task, lease_id)
         if req.measure == "token":  # the client masks the tokens outside (fresh_mask)
             bounds = [] if req.max_staleness is None else [req.current_version, req.max_staleness]
             meta = msgspec.structs.replace(meta, token_window=bounds)
@@ -175,9 +177,8 @@ class Gets:
             oldest, mask = req.current_version - req.max_staleness, p.mask_of(req.fields)
             stale = sum(
                 1
-                for r in p.rows.values()
-                if r.committed
-                and (r.written & mask) == mask
+                for r in p.rows.values(COMMITTED)
+                if (r.written & mask) == mask
                 and p.available(r, req.task)
                 and (v := version_of(r, req.measure)) is not None
                 and v < oldest
@@ -243,11 +244,11 @@ class Gets:
                     field=f,
                     rows=len(lacking),
                 )
-        return self.catalog.meta(p, rows, fields)
+        return self.catalog.meta(p, [r.id for r in rows], fields)
 
     def list_keys(self, partition: str) -> list[str]:
         p = self.catalog.partition(partition)
-        return [p.key_of(r) for r in p.rows.values() if r.committed]
+        return p.keys_of(p.rows.ids(COMMITTED))
 
     def list_rows(
         self, partition: str | None, fields: list[str], task: str | None
@@ -259,12 +260,12 @@ class Gets:
         for name in names:
             p = self.catalog.partition(name)
             mask = p.mask_of(fields) if partition is not None else self._known_mask(p, fields)
-            rows = [r for r in p.rows.values() if r.committed]
+            rows = list(p.rows.values(COMMITTED))
             t = p.tasks.get(task) if task is not None else None
             out[name] = RowListing(
-                meta=self.catalog.meta(p, rows, fields if mask >= 0 else []),
+                meta=self.catalog.meta(p, [r.id for r in rows], fields if mask >= 0 else []),
                 ready=[mask >= 0 and (r.written & mask) == mask for r in rows],
-                consumed=[t is not None and (r.id in t.leased or r.id in t.acked) for r in rows],
+                consumed=[t is not None and (r.id in t.leased or t.is_acked(r.id)) for r in rows],
             )
         return out
 
@@ -360,7 +361,7 @@ class Gets:
         if lease is not None and lease.rows.issuperset(row_ids):
             return lease, p
         t = p.tasks.get(task)
-        acked = t.acked if t is not None else set()
+        acked: Set[int] = t.acked if t is not None else set()
         live = [r for r in row_ids if r in p.rows]
         outside = [r for r in live if r not in acked and (lease is None or r not in lease.rows)]
         if not outside:

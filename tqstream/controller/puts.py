@@ -18,9 +18,10 @@ from typing import Any
 
 from tqstream.controller.catalog import Catalog
 from tqstream.controller.deadlines import DeadlineHeap
-from tqstream.controller.partition import Partition, Row
+from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import Effects, Ids, PendingPut, PutBook, WaitingPut
+from tqstream.controller.rows import Row, check_versions
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     CapacityError,
@@ -98,6 +99,10 @@ class Puts:
                 raise InvalidRequestError(
                     f"{vname} has {len(vseq)} entries but the put has {req.n_rows} rows"
                 )
+        check_versions([req.version], "version")
+        check_versions(req.version_start, "version_start")
+        check_versions(req.version_end, "version_end")
+        check_versions(req.dispatch_version, "dispatch_version")
         self._check_rows(req.partition, req.n_rows)
         if pinned is None:
             runs = self.units.place(req.n_rows, req.nbytes, self.catalog.replicas_of(req.partition))
@@ -131,7 +136,7 @@ class Puts:
         known = len(p.bits)
         mask = p.check_schemas(req.schemas)
         try:
-            rows = p.reserve_rows(
+            ids = p.reserve_rows(
                 req.n_rows, req.keys, req.groups, req.group_size, req.version,
                 frozenset(req.schemas),
             )  # fmt: skip
@@ -143,17 +148,13 @@ class Puts:
                 del self.catalog.partitions[req.partition]
             raise
         if req.tags is not None:
-            for r, tags in zip(rows, req.tags, strict=True):
-                r.merge_tags(tags)
-        if req.version_start is not None:
-            for r, v in zip(rows, req.version_start, strict=True):
-                r.version_start = v
-        if req.version_end is not None:
-            for r, v in zip(rows, req.version_end, strict=True):
-                r.version_end = v
-        if req.dispatch_version is not None:
-            for r, v in zip(rows, req.dispatch_version, strict=True):
-                r.dispatch_version = v
+            for rid, tags in zip(ids, req.tags, strict=True):
+                p.row(rid).merge_tags(tags)
+        t = p.rows
+        for col, vs in ((t.vstart, req.version_start), (t.vend, req.version_end),
+                        (t.vdisp, req.dispatch_version)):  # fmt: skip
+            if vs is not None:
+                p.set_versions(col, ids, vs)
         per_row = req.nbytes // req.n_rows
         segments = []
         for unit, replica, start, stop in runs:
@@ -161,18 +162,15 @@ class Puts:
             segments.append(
                 PlanSegment(unit=unit, chunk=chunk, start=start, stop=stop, replica=replica)
             )
-            for r in rows[start:stop]:
-                r.unit, r.replica, r.nbytes = unit, replica, per_row
+            p.place(ids[start:stop], unit, replica, per_row)
             self.units.charge(unit, replica, per_row * (stop - start))
         put = self._add_pending(
-            req.partition, rows, mask, list(req.schemas), segments, True, per_row, now,
+            req.partition, ids, mask, list(req.schemas), segments, True, per_row, now,
             peer_of(handle),
             timed=pinned is None,  # a stored put commits at once: no put_timeout to watch
         )  # fmt: skip
         put.rejected = req.rejected  # an aborted put that is retried must not count them twice
-        return PutPlan(
-            rid=req.rid, put_id=put.put_id, row_ids=[r.id for r in rows], segments=segments
-        )
+        return PutPlan(rid=req.rid, put_id=put.put_id, row_ids=list(ids), segments=segments)
 
     def prepare_fields(self, req: PrepareFields, now: float, owner: Any = None) -> FieldsPlan:
         """Plan a put_fields: new columns (or, with ``overwrite``, new values) for committed rows,
@@ -202,6 +200,8 @@ class Puts:
             p = Partition(req.partition, "")  # every key is new: validated against nothing
         elif p is None:
             p = self.catalog.partition(req.partition)  # raises
+        check_versions(req.version_start, "version_start")
+        check_versions(req.version_end, "version_end")
         if req.keys is None:
             old: list[Row | None] = list(self.catalog.rows(p, req.row_ids))
             new_keys: list[str] = []
@@ -223,10 +223,9 @@ class Puts:
         mask = p.check_schemas(req.schemas)
         created = p.reserve_rows(len(new_keys), new_keys, None, None, None, frozenset())
         for unit, replica, start, stop in runs:
-            for r in created[start:stop]:
-                r.unit, r.replica = unit, replica
+            p.place(created[start:stop], unit, replica)
         fresh = iter(created)
-        rows = [next(fresh) if r is None else r for r in old]
+        rows = [p.row(next(fresh)) if r is None else r for r in old]
         by_unit: dict[tuple[int, int], list[int]] = {}
         for i, r in enumerate(rows):
             r.pending |= mask
@@ -243,9 +242,11 @@ class Puts:
             r.nbytes += per_row
             self._charge(r, per_row)
         put = self._add_pending(
-            req.partition, rows, mask, list(req.schemas), segments, False, per_row, now, owner
-        )
-        put.created = {r.id for r in created}
+            req.partition, [r.id for r in rows], mask, list(req.schemas), segments, False,
+            per_row, now, owner,
+        )  # fmt: skip
+        put.created = set(created)
+        put.units = [(r.unit, r.replica) for r in rows]
         put.tags = req.tags
         # only values some row already holds are staged at the units and need publishing
         put.overwrite = req.overwrite and any(r.written & mask for r in rows)
@@ -341,7 +342,7 @@ class Puts:
     def _add_pending(
         self,
         partition: str,
-        rows: list[Row],
+        ids: Sequence[int],
         mask: int,
         fields: list[str],
         segments: list[PlanSegment],
@@ -354,7 +355,7 @@ class Puts:
         put = PendingPut(
             next(self.ids),
             partition,
-            rows,
+            ids,
             mask,
             fields,
             [(u, s.chunk) for s in segments for u in (s.unit, s.replica) if u >= 0],
@@ -378,24 +379,28 @@ class Puts:
             return None, effects  # the service sends the drops, then raises
         p = self.catalog.partitions[put.partition]
         if put.new_rows:
-            p.commit_rows(put.rows, put.mask)
-            p.produced += len(put.rows)
+            p.commit_rows(put.ids, put.mask)
+            p.produced += len(put.ids)
             p.rejected += put.rejected
             if p.ttl is not None:
-                self.deadlines.add(now + p.ttl, "ttl", (p, [r.id for r in put.rows]))
+                self.deadlines.add(now + p.ttl, "ttl", (p, list(put.ids)))
         else:
             unit_rows = effects.drop_rows
-            for r in put.rows:  # cleared while in flight: the unit drops what it stored
-                if r.id not in put.created and p.rows.get(r.id) is not r:
-                    for u in (r.unit, r.replica):
+            for rid, (u1, u2) in zip(put.ids, put.units, strict=True):
+                if rid not in put.created and rid not in p.rows:  # cleared while in flight:
+                    for u in (u1, u2):  # the unit drops what it stored
                         if u >= 0:
-                            unit_rows.setdefault(u, {}).setdefault(p.name, []).append(r.id)
-            live = [r for r in put.rows if p.rows.get(r.id) is r]
+                            unit_rows.setdefault(u, {}).setdefault(p.name, []).append(rid)
+            live = [p.row(rid) for rid in put.ids if rid in p.rows]
             if put.tags is not None:
-                for r, tags in zip(put.rows, put.tags, strict=True):
-                    r.merge_tags(tags)
+                for rid, tags in zip(put.ids, put.tags, strict=True):
+                    if rid in p.rows:
+                        p.row(rid).merge_tags(tags)
             if put.versions is not None:  # rows that have none take the write's
-                for r, start, end in zip(put.rows, *put.versions, strict=True):
+                for rid, start, end in zip(put.ids, *put.versions, strict=True):
+                    if rid not in p.rows:
+                        continue
+                    r = p.row(rid)
                     if r.version_start is None and r.version_end is None:
                         r.version_start = r.dispatch_version = start
                         r.version_end = end
@@ -407,16 +412,16 @@ class Puts:
                 fresh = [r for r in live if r.id in put.created]
                 for r in fresh:
                     r.pending &= ~put.mask
-                p.commit_rows(fresh, put.mask)
+                p.commit_rows([r.id for r in fresh], put.mask)
                 p.produced += len(fresh)
                 if p.ttl is not None:
                     self.deadlines.add(now + p.ttl, "ttl", (p, [r.id for r in fresh]))
         effects.touched.add(put.partition)
         meta = None
         if put.new_rows:
-            meta = self.catalog.meta(p, put.rows, put.fields)
+            meta = self.catalog.meta(p, put.ids, put.fields)
         elif put.keyed:
-            meta = self.catalog.meta(p, put.rows, p.common_fields(put.rows))
+            meta = self.catalog.meta(p, put.ids, p.common_fields(map(p.row, put.ids)))
         return meta, effects
 
     def put_stored(
@@ -475,14 +480,13 @@ class Puts:
             return  # the partition and its rows are gone already
         p = self.catalog.partitions[put.partition]
         if put.new_rows:
-            for r in p.remove_rows([r.id for r in put.rows]):
-                self._charge(r, -r.nbytes)
+            self._uncharge(p, p.remove_rows(put.ids))
         else:
-            for r in p.remove_rows([rid for rid in put.created if rid in p.rows]):
-                self._charge(r, -r.nbytes)
-            for r in put.rows:
-                if p.rows.get(r.id) is not r:
+            self._uncharge(p, p.remove_rows([rid for rid in put.created if rid in p.rows]))
+            for rid in put.ids:
+                if rid not in p.rows:
                     continue  # cleared (or created by this put) : its bytes are uncharged already
+                r = p.row(rid)
                 r.pending &= ~put.mask
                 r.nbytes -= put.per_row
                 self._charge(r, -put.per_row)
@@ -511,7 +515,7 @@ class Puts:
                 )
             for r, t in zip(found, tags or [], strict=False):
                 r.merge_tags(t)
-            return self.catalog.meta(named, found, named.common_fields(found))
+            return self.catalog.meta(named, [r.id for r in found], named.common_fields(found))
         if tags is not None and len(tags) != len(keys):
             raise InvalidRequestError(
                 f"tags= has {len(tags)} entries but {len(keys)} keys were given"
@@ -536,18 +540,17 @@ class Puts:
             )
         created = p.reserve_rows(len(new_keys), new_keys, None, None, None, frozenset())
         for unit, replica, start, stop in runs:
-            for r in created[start:stop]:
-                r.unit, r.replica = unit, replica
+            p.place(created[start:stop], unit, replica)
         p.commit_rows(created, 0)
         p.produced += len(created)
         if created and p.ttl is not None:
-            self.deadlines.add(now + p.ttl, "ttl", (p, [r.id for r in created]))
+            self.deadlines.add(now + p.ttl, "ttl", (p, list(created)))
         fresh = iter(created)
-        rows = [next(fresh) if r is None else r for r in old]
+        rows = [p.row(next(fresh)) if r is None else r for r in old]
         if tags is not None:
             for r, t in zip(rows, tags, strict=True):
                 r.merge_tags(t)
-        return self.catalog.meta(p, rows, p.common_fields(rows))
+        return self.catalog.meta(p, [r.id for r in rows], p.common_fields(rows))
 
     def capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
         units = self.units
@@ -584,6 +587,12 @@ class Puts:
                 continue
             if reply is not None:
                 effects.replies.append((handle, reply))
+
+    def _uncharge(self, p: Partition, removed: list[int]) -> None:
+        """Rows ``removed`` (just removed from ``p``) no longer count on their units."""
+        if removed:
+            for u, nbytes in p.rows.on_units(removed)[0].items():
+                self.units.bytes[u] -= nbytes
 
     def _charge(self, r: Row, nbytes: int) -> None:
         """Count ``nbytes`` more (or fewer) on the units holding row ``r``."""

@@ -11,8 +11,8 @@ import msgspec
 import numpy as np
 
 from tqstream.controller.admission import Admission
-from tqstream.controller.partition import Row
 from tqstream.controller.peers import peer_of
+from tqstream.controller.rows import Row
 from tqstream.errors import AdmissionError, InvalidRequestError, TQStreamError
 from tqstream.protocol.messages import Acquire, GetMeta, PreparePut
 from tqstream.types import BatchMeta, Measure
@@ -196,7 +196,7 @@ class Effects:
 class PendingPut:
     put_id: int
     partition: str
-    rows: list[Row]
+    ids: Sequence[int]  # its rows (a range for a put's new rows)
     mask: int
     fields: list[str]
     chunks: list[tuple[int, int]]  # (unit, chunk)
@@ -207,10 +207,11 @@ class PendingPut:
     owner: Any = None  # the producer's peer: its put is aborted when it disconnects
     # a put_fields by key: the rows it creates (committed with its fields, or removed with it)
     created: set[int] = dataclasses.field(default_factory=set)
-    tags: list[Any] | None = None  # per row of ``rows``, tags merged in at the commit
+    tags: list[Any] | None = None  # per row of ``ids``, tags merged in at the commit
     keyed: bool = False  # a put_fields by key: its commit answers with the rows' metadata
     versions: tuple[list[int | None], list[int | None]] | None = None  # (starts, ends) per row
     overwrite: bool = False  # its chunks are published to the units at the commit
+    units: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # put_fields: per row
 
 
 class WaitingPut(NamedTuple):

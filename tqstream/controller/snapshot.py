@@ -24,8 +24,9 @@ from typing import Any
 import msgspec
 
 from tqstream.controller.admission import Admission, make_admission
-from tqstream.controller.partition import Group, Partition, Row, TaskState
+from tqstream.controller.partition import Partition
 from tqstream.controller.records import AdmissionRecord, Effects
+from tqstream.controller.rows import COMMITTED, VERSION_MAX, VERSION_MIN, Row
 from tqstream.controller.state import ControllerState
 from tqstream.errors import AdmissionError, CheckpointCorruptError, CheckpointError
 from tqstream.types import FieldSchema
@@ -173,20 +174,20 @@ def take(state: ControllerState, now: float) -> Taken:
         for unit, chunk in put.chunks:
             skip.setdefault(unit, []).append(chunk)
         if not put.new_rows and not put.cancelled:
-            for r in put.rows:
-                extra[put.partition, r.id] = extra.get((put.partition, r.id), 0) + put.per_row
+            for rid in put.ids:
+                extra[put.partition, rid] = extra.get((put.partition, rid), 0) + put.per_row
     ttls: dict[str, list[TtlEntry]] = {}
     for deadline, kind, ref in state.deadlines.entries():
         owner: Partition | None = ref[0] if kind == "ttl" else None
         if owner is None or state.partitions.get(owner.name) is not owner:
             continue  # another kind, or a partition cleared since
-        alive = [rid for rid in ref[1] if rid in owner.rows and owner.rows[rid].committed]
+        alive = [rid for rid in ref[1] if owner.rows.committed(rid)]
         if alive:
             ttls.setdefault(owner.name, []).append(TtlEntry(max(deadline - now, 0.0), alive))
     by_unit: dict[int, dict[str, list[int]]] = {}
     parts = []
     for p in state.partitions.values():
-        rows = [r for r in p.rows.values() if r.committed]
+        rows = list(p.rows.values(COMMITTED))
         for r in rows:
             if r.written:  # a row without fields (only a key and tags) has nothing stored
                 by_unit.setdefault(r.unit, {}).setdefault(p.name, []).append(r.id)
@@ -413,10 +414,8 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
             replaced.drop_partitions.clear()  # which would drop the chunks just loaded
             effects.extend(replaced)
         state.partitions[p.name] = p
-        for r in p.rows.values():
-            state.units.bytes[r.unit] += r.nbytes
-            if r.replica >= 0:
-                state.units.bytes[r.replica] += r.nbytes
+        for u, nbytes in p.rows.on_units(p.rows.ids())[0].items():
+            state.units.bytes[u] += nbytes
         for t in ttls:
             state.schedule(now + t.left, "ttl", (p, list(t.rows)))
     for entry, adm in zip(ready.snap.admissions, ready.admissions, strict=True):
@@ -450,47 +449,62 @@ def _build(
     if len(set(e.fields)) != len(e.fields):
         raise _corrupt(f"partition {e.name!r} lists a field twice")
     p = Partition(e.name, e.key_prefix)
-    p.next_row = e.next_row  # before the rows get their keys: see Partition.name_row
     p.declare(e.fields)
     full = (1 << len(e.fields)) - 1
     p.schemas = dict(e.schemas)
+    if not all(0 <= rid < e.next_row for rid in t.ids) or len(set(t.ids)) < n:
+        raise _corrupt(f"partition {e.name!r} has a row id twice or out of its range")
+    p.next_row = min(t.ids, default=e.next_row)
+    rows = p.rows
+    rows.extend_to(e.next_row)  # holes, filled row by row below
     for i, rid in enumerate(t.ids):
         where = unit_of.get((e.name, rid))
         if where is None and not _mask_in(t.written[i]) and bare[0] >= 0:
             where = bare
         if where is None:
             raise _corrupt(f"row {rid} of partition {e.name!r} is in no storage unit's file")
-        if not 0 <= rid < e.next_row or rid in p.rows or p.row_of_key(t.keys[i]) is not None:
+        if p.row_of_key(t.keys[i]) is not None:
             raise _corrupt(f"row {rid} (key {t.keys[i]!r}) of partition {e.name!r} repeats")
-        r = Row(rid, t.groups[i], where[0], t.nbytes[i], None)
-        r.replica = where[1]
+        r = Row(rows, rid)
+        j = rid - rows.base
+        r.unit, r.replica, r.nbytes = where[0], where[1], t.nbytes[i]
+        for v, what in ((t.version_start[i], "version_start"), (t.version_end[i], "version_end"),
+                        (t.dispatch_version[i], "dispatch_version")):  # fmt: skip
+            if v is not None and not VERSION_MIN <= v <= VERSION_MAX:
+                raise _corrupt(f"row {rid} of partition {e.name!r} has a {what} out of range")
         r.version_start, r.version_end = t.version_start[i], t.version_end[i]
         r.dispatch_version = t.dispatch_version[i]
-        r.written = _mask_in(t.written[i])
+        written = rows.written[j] = _mask_in(t.written[i])
         writes = [(_mask_in(m), s) for m, s in t.writes[i]]
-        if r.written & ~full or any(m & ~full for m, _ in writes):
+        if written & ~full or any(m & ~full for m, _ in writes):
             raise _corrupt(f"row {rid} of partition {e.name!r} names fields it does not have")
         if t.tags:
-            r.tags = t.tags[i]
-        r.committed, r.ready_seq = True, t.ready_seq[i]
-        one = [(r.written, r.ready_seq)] if r.written else []
-        r.writes = None if writes == one else writes  # see Row.writes
-        p.rows[rid] = r
-        p.name_row(r, t.keys[i])
-        p.count_written(r.written, 1)
+            r.merge_tags(t.tags[i])
+        rows.state[j], rows.seq[j] = COMMITTED, t.ready_seq[i]
+        rows.live += 1
+        one = [(written, t.ready_seq[i])] if written else []
+        if writes != one:  # see Rows.writes
+            rows.writes[rid] = writes
+        p.name_row(rid, t.keys[i])
+        p.count_written(written, 1)
     p.committed = n
     for g in e.groups:
         if not 0 < len(g.members) <= g.size or not all(m in p.rows for m in g.members):
             raise _corrupt(f"group {g.name!r} of partition {e.name!r} has unknown members")
-        group = p.groups[g.name] = Group(g.size, frozenset(g.fields))
+        group = p.groups[g.name] = p.new_group(g.name, g.size, frozenset(g.fields))
         group.members = list(g.members)
-    if any(r.group is not None and r.group not in p.groups for r in p.rows.values()):
-        raise _corrupt(f"partition {e.name!r} has a row of a group it does not list")
+    for i, rid in enumerate(t.ids):
+        name = t.groups[i]
+        if name is not None:
+            if name not in p.groups or rid not in p.groups[name].members:
+                raise _corrupt(f"partition {e.name!r} has a row of a group it does not list")
+            rows.group[rid - rows.base] = p.groups[name].number
     for te in e.tasks:
         if not all(rid in p.rows for rid in te.acked):
             raise _corrupt(f"task {te.name!r} of partition {e.name!r} acked unknown rows")
-        task = p.tasks[te.name] = TaskState()
-        task.acked, task.stale_dropped, task.lag = set(te.acked), te.stale_dropped, dict(te.lag)
+        task = p.task(te.name)
+        task.set_acked(te.acked)
+        task.stale_dropped, task.lag = te.stale_dropped, dict(te.lag)
         task.lost, task.consumed, task.tokens_masked = te.lost, te.consumed, te.tokens_masked
     if not all(rid in p.rows for ttl in e.ttl_left for rid in ttl.rows):
         raise _corrupt(f"partition {e.name!r} has a ttl for unknown rows")

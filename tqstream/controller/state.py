@@ -299,8 +299,8 @@ class ControllerState:
         p = self.partitions.get(partition)
         if p is None:
             return effects
-        for r in p.rows.values():
-            self.units.charge(r.unit, r.replica, -r.nbytes)
+        for u, nbytes in p.rows.on_units(p.rows.ids())[0].items():
+            self.units.bytes[u] -= nbytes
         # A put to a re-created partition of this name can reach a unit before this order: scope
         # the drop to older chunks, and never reuse row ids under the name (see create_partition).
         effects.drop_partitions.append((partition, next(self.ids)))

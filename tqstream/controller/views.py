@@ -12,58 +12,220 @@ its old place in the order instead of the end.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import heapq
+import itertools
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 
+import numpy as np
 from sortedcontainers import SortedDict
+
+from tqstream.controller.rows import SMALL
 
 GroupKey = str | int
 """A group name, or the row id of a row that belongs to no group (a group of one)."""
 
 
+def _array(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(values, range):
+        return np.arange(values.start, values.stop, values.step, dtype=np.int64)
+    return np.asarray(values, np.int64)
+
+
+MEMBER, LOGGED, HEAPED, ENTERED = 1, 2, 4, 8
+"""A row's flags in a ready view: available in it now; has an entry in the log not yet passed;
+has an entry in the heap; entered the view (its entry seq is set)."""
+
+
 class ReadyView:
-    """Rows ready for ``mask`` and available to ``task``, oldest first."""
+    """Rows ready for ``mask`` and available to ``task``, oldest first.
 
-    __slots__ = ("mask", "ready", "seq_of", "task")
+    Columnar: per row (at ``row id - base``) a flags byte and its entry seq; the order is a log of
+    row ids appended as rows enter in seq order (a commit's rows always do), plus a small heap of
+    (seq, row) for the rows that come back after the log passed them (released leases) or enter
+    out of order. Leases and removals only clear a flag: the entries they leave behind are skipped
+    and passed by the next read (so a get's rows, the oldest, cost one step each, once).
+    """
 
-    def __init__(self, task: str, mask: int) -> None:
+    __slots__ = ("base", "count", "flags", "head", "heap", "last", "log", "mask", "seq_of", "task")
+
+    def __init__(self, task: str, mask: int, base: int = 0) -> None:
         self.task = task
         self.mask = mask
-        self.seq_of: dict[int, int] = {}  # row -> entry seq, kept while the row lives
-        self.ready: SortedDict = SortedDict()  # seq -> row, the currently available ones
+        self.base = base  # the row id at index 0 of flags and seq_of
+        self.flags = bytearray()
+        self.seq_of = array("q")  # row -> entry seq, kept while the row lives
+        self.log = array("q")  # row ids in entry order; entries before head were passed
+        self.head = 0
+        self.last = -1  # the seq of the last logged entry
+        self.heap: list[tuple[int, int]] = []  # (seq, row) of rows the log cannot take
+        self.count = 0  # rows available in the view
 
     def __len__(self) -> int:
-        return len(self.ready)
+        return self.count
+
+    def _grow(self, i: int) -> None:
+        n = i + 1 - len(self.flags)
+        if n > 0:
+            self.flags.extend(bytes(n))
+            self.seq_of.frombytes(bytes(8 * n))
 
     def add(self, row: int, seq: int) -> None:
         """Make ``row`` available; ``seq`` orders it unless it entered this view before."""
-        self.ready[self.seq_of.setdefault(row, seq)] = row
+        i = row - self.base
+        self._grow(i)
+        f = self.flags[i]
+        if f & MEMBER:
+            return
+        if not f & ENTERED:
+            self.seq_of[i] = seq
+            f |= ENTERED
+            if seq >= self.last:
+                self.log.append(row)
+                self.last = seq
+                f |= LOGGED
+        if not f & (LOGGED | HEAPED):
+            heapq.heappush(self.heap, (self.seq_of[i], row))
+            f |= HEAPED
+        self.flags[i] = f | MEMBER
+        self.count += 1
 
-    def add_new(self, entries: dict[int, int]) -> None:
-        """Rows that never entered this view (row -> seq), in one update."""
-        self.seq_of.update(entries)
-        self.ready.update({seq: row for row, seq in entries.items()})
+    def add_new(self, rows: Sequence[int] | np.ndarray, seqs: Sequence[int] | np.ndarray) -> None:
+        """Rows that never entered this view, with their seqs in ascending order."""
+        if not len(rows):
+            return
+        if seqs[0] < self.last:
+            for row, seq in zip(rows, seqs, strict=True):
+                self.add(int(row), int(seq))
+            return
+        if len(rows) <= SMALL:
+            base = self.base
+            self._grow(max(rows) - base)
+            flags, seq_of = self.flags, self.seq_of
+            for row, seq in zip(rows, seqs, strict=True):
+                flags[row - base] = MEMBER | ENTERED | LOGGED
+                seq_of[row - base] = seq
+            self.log.extend(rows)
+            self.last = seqs[-1]
+            self.count += len(rows)
+            return
+        ids = _array(rows)
+        idx = ids - self.base
+        self._grow(int(idx.max()))
+        np.frombuffer(self.flags, np.uint8)[idx] = MEMBER | ENTERED | LOGGED
+        np.frombuffer(self.seq_of, np.int64)[idx] = _array(seqs)
+        self.log.frombytes(ids.tobytes())
+        self.last = int(seqs[-1])
+        self.count += len(rows)
 
     def remove(self, rows: Iterable[int]) -> None:
         """The rows are no longer available (leased); they keep their place for a release."""
-        seq_of, ready = self.seq_of, self.ready
-        seqs = [seq for row in rows if (seq := seq_of.get(row)) is not None]
-        oldest = ready.keys()
-        if len(seqs) > 1 and seqs == oldest[: len(seqs)]:  # a get's: the oldest, in order
-            del oldest[: len(seqs)]  # one slice of the order, not a search per row
-            return
-        for seq in seqs:
-            ready.pop(seq, None)
-
-    def forget(self, rows: Iterable[int]) -> None:
-        """The rows are gone."""
-        seq_of, ready = self.seq_of, self.ready
+        flags, base, n = self.flags, self.base, len(self.flags)
         for row in rows:
-            seq = seq_of.pop(row, None)
-            if seq is not None and seq in ready:  # acked rows left it when leased
-                ready.pop(seq)
+            i = row - base
+            if 0 <= i < n and flags[i] & MEMBER:
+                flags[i] &= ~MEMBER
+                self.count -= 1
+
+    def forget(self, rows: Iterable[int] | np.ndarray) -> None:
+        """The rows are gone (no repeats)."""
+        if isinstance(rows, list) and len(rows) <= SMALL:
+            flags, base, n = self.flags, self.base, len(self.flags)
+            for row in rows:
+                i = row - base
+                if 0 <= i < n:
+                    if flags[i] & MEMBER:
+                        self.count -= 1
+                    flags[i] = 0
+            return
+        idx = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), np.int64)
+        idx = idx - self.base
+        idx = idx[(idx >= 0) & (idx < len(self.flags))]
+        marks = np.frombuffer(self.flags, np.uint8)
+        self.count -= int(np.count_nonzero(marks[idx] & MEMBER))
+        marks[idx] = 0
+
+    def trim(self, k: int) -> None:
+        """The partition dropped its first ``k`` row ids (no row there)."""
+        del self.flags[:k]
+        del self.seq_of[:k]
+        self.base += k
+
+    def entered(self) -> list[int]:
+        """Every row that entered and lives (its place is kept)."""
+        idx = np.flatnonzero(np.frombuffer(self.flags, np.uint8) & ENTERED)
+        return (idx + self.base).tolist()
+
+    def seq(self, row: int) -> int:
+        return self.seq_of[row - self.base]
+
+    def _valid(self, row: int) -> bool:
+        i = row - self.base
+        return 0 <= i < len(self.flags) and self.flags[i] & MEMBER != 0
+
+    def _clean(self) -> None:
+        """Pass the log's and the heap's leading entries of rows not available."""
+        log, flags, base, n = self.log, self.flags, self.base, len(self.flags)
+        head, end = self.head, len(log)
+        while head < end:
+            i = log[head] - base
+            if 0 <= i < n:
+                f = flags[i]
+                if f & MEMBER:
+                    break
+                flags[i] = f & ~LOGGED
+            head += 1
+        if head > 4096 and 2 * head > end:
+            del log[:head]
+            head = 0
+        self.head = head
+        heap = self.heap
+        while heap:
+            i = heap[0][1] - base
+            if 0 <= i < n:
+                f = flags[i]
+                if f & MEMBER:
+                    break
+                flags[i] = f & ~HEAPED
+            heapq.heappop(heap)
+
+    def rows(self) -> Iterator[int]:
+        """The available rows, oldest first."""
+        self._clean()
+        log, flags, seq_of, base, n = self.log, self.flags, self.seq_of, self.base, len(self.flags)
+        extra = sorted(self.heap)
+        j, m = 0, len(extra)
+        for k in range(self.head, len(log)):
+            row = log[k]
+            i = row - base
+            if not (0 <= i < n and flags[i] & MEMBER):
+                continue
+            s = seq_of[i]
+            while j < m and extra[j][0] < s:
+                if self._valid(extra[j][1]):
+                    yield extra[j][1]
+                j += 1
+            yield row
+        for _, row in extra[j:]:
+            if self._valid(row):
+                yield row
 
     def oldest(self, n: int) -> list[int]:
-        return [self.ready[s] for s in self.ready.islice(0, n)]
+        if n <= 0:
+            return []
+        if not self.heap:  # the common case: the log alone, its head available
+            self._clean()
+            log, flags, base, size = self.log, self.flags, self.base, len(self.flags)
+            out: list[int] = []
+            for k in range(self.head, len(log)):
+                row = log[k]
+                i = row - base
+                if 0 <= i < size and flags[i] & MEMBER:
+                    out.append(row)
+                    if len(out) == n:
+                        break
+            return out
+        return list(itertools.islice(self.rows(), n))
 
 
 class GroupView:
