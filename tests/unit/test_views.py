@@ -7,6 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tqstream.controller import views
 from tqstream.controller.views import ReadyView
 
 Op = tuple[str, list[int]]
@@ -22,6 +23,22 @@ ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_ready_view_serves_what_a_plain_model_does(steps: list[Op]) -> None:
+    check(steps)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_ready_view_on_its_array_paths_serves_the_same(steps: list[Op]) -> None:
+    """Every operation on its array path (taken for many rows at once)."""
+    small = views.SMALL
+    views.SMALL = 0
+    try:
+        check(steps)
+    finally:
+        views.SMALL = small
+
+
+def check(steps: list[Op]) -> None:
     view = ReadyView("t", 1)
     seq_of: dict[int, int] = {}  # the model: each row's place while it lives
     ready: set[int] = set()
@@ -42,8 +59,8 @@ def test_ready_view_serves_what_a_plain_model_does(steps: list[Op]) -> None:
             assert oldest == sorted(ready, key=seq_of.__getitem__)[:n]
             view.remove(oldest)
             ready.difference_update(oldest)
-        elif op == "remove":  # any rows, in any order, leased or not, repeated
-            view.remove(rows)
+        elif op == "remove":  # any rows, in any order, leased or not (no repeats: a lease's)
+            view.remove(list(dict.fromkeys(rows)))
             ready.difference_update(rows)
         else:
             view.forget(list(dict.fromkeys(rows)))

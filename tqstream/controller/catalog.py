@@ -106,7 +106,7 @@ class Catalog:
         """Delete committed rows for every task and (``order``) order their storage freed.
         Returns the ids of the rows deleted."""
         rows = p.rows
-        removed = p.remove_rows([r for r in row_ids if rows.committed(r)])
+        removed = p.remove_rows(rows.committed_ids(row_ids))
         if not removed:
             return removed
         charges, holds = rows.on_units(removed)

@@ -26,6 +26,8 @@ SMALL = 64
 """Up to this many rows, bulk operations go row by row (numpy's call costs more)."""
 
 PENDING, COMMITTED = 1, 2
+
+_DTYPES = {"b": np.int8, "h": np.int16, "i": np.int32, "q": np.int64, "Q": np.uint64}
 """Row states (0: no row: never made here, or removed)."""
 
 NO_VERSION = -(2**31)
@@ -264,9 +266,10 @@ class Rows:
     def version(v: int) -> int | None:
         return None if v == NO_VERSION else v
 
-    def versions(self, col: array, idx: Sequence[int]) -> list[int | None]:
-        if isinstance(idx, range) and len(idx) > 64:
-            part = np.frombuffer(col, np.int32)[idx.start : idx.stop]
+    def versions(self, col: array, idx: Sequence[int] | np.ndarray) -> list[int | None]:
+        if isinstance(idx, np.ndarray) or (isinstance(idx, range) and len(idx) > SMALL):
+            whole = np.frombuffer(col, np.int32)
+            part = whole[idx] if isinstance(idx, np.ndarray) else whole[idx.start : idx.stop]
             none = part == NO_VERSION
             if none.all():
                 return [None] * len(part)
@@ -277,14 +280,28 @@ class Rows:
             return [None if v == NO_VERSION else v for v in vs]
         return vs  # type: ignore[return-value]
 
-    def column(self, col: array | list[int], idx: Sequence[int]) -> list[int]:
+    def column(self, col: array | list[int], idx: Sequence[int] | np.ndarray) -> list[int]:
         """The values of ``col`` at column positions ``idx``."""
         if isinstance(idx, range):
             part = col[idx.start : idx.stop]
             return part.tolist() if isinstance(part, array) else part
+        if isinstance(idx, np.ndarray):
+            if isinstance(col, array):
+                return np.frombuffer(col, _DTYPES[col.typecode])[idx].tolist()  # type: ignore[no-any-return]
+            return [col[i] for i in idx.tolist()]
         return [col[i] for i in idx]
 
-    def groups(self, idx: Sequence[int]) -> list[str | None]:
+    def committed_ids(self, ids: Sequence[int]) -> list[int]:
+        """Those of ``ids`` that are committed rows, in order."""
+        if len(ids) <= SMALL:
+            return [rid for rid in ids if self.committed(rid)]
+        arr = np.asarray(ids, np.int64)
+        idx = arr - self.base
+        ok = (idx >= 0) & (idx < len(self.state))
+        ok[ok] = np.frombuffer(self.state, np.uint8)[idx[ok]] == COMMITTED
+        return arr[ok].tolist()  # type: ignore[no-any-return]
+
+    def groups(self, idx: Sequence[int] | np.ndarray) -> list[str | None]:
         if not self.group_names:
             return [None] * len(idx)
         names = self.group_names
@@ -294,9 +311,12 @@ class Rows:
         base = self.base
         return [rid - base for rid in ids]
 
-    def index(self, ids: Sequence[int]) -> Sequence[int]:
-        """Column positions of ``ids``: a range for a range (one slice), else a list."""
+    def index(self, ids: Sequence[int]) -> Sequence[int] | np.ndarray:
+        """Column positions of ``ids``: a range for a range (one slice), a list for a few, else
+        an array."""
         b = self.base
+        if len(ids) > SMALL and not isinstance(ids, range):
+            return np.asarray(ids, np.int64) - b
         if isinstance(ids, range):
             return range(ids.start - b, ids.stop - b)
         return [rid - b for rid in ids]

@@ -119,7 +119,16 @@ class ReadyView:
         self.count += len(rows)
 
     def remove(self, rows: Iterable[int]) -> None:
-        """The rows are no longer available (leased); they keep their place for a release."""
+        """The rows (no repeats) are no longer available (leased); they keep their place for a
+        release."""
+        if isinstance(rows, Sequence) and len(rows) > SMALL:
+            idx = np.asarray(rows, np.int64) - self.base
+            idx = idx[(idx >= 0) & (idx < len(self.flags))]
+            flags_np = np.frombuffer(self.flags, np.uint8)
+            member = idx[(flags_np[idx] & MEMBER) != 0]
+            flags_np[member] &= ~np.uint8(MEMBER)
+            self.count -= len(member)
+            return
         flags, base, n = self.flags, self.base, len(self.flags)
         for row in rows:
             i = row - base
@@ -167,7 +176,8 @@ class ReadyView:
         """Pass the log's and the heap's leading entries of rows not available."""
         log, flags, base, n = self.log, self.flags, self.base, len(self.flags)
         head, end = self.head, len(log)
-        while head < end:
+        stop = min(head + SMALL, end)
+        while head < stop:
             i = log[head] - base
             if 0 <= i < n:
                 f = flags[i]
@@ -175,6 +185,8 @@ class ReadyView:
                     break
                 flags[i] = f & ~LOGGED
             head += 1
+        else:
+            head = self._pass(head)
         if head > 4096 and 2 * head > end:
             del log[:head]
             head = 0
@@ -188,6 +200,44 @@ class ReadyView:
                     break
                 flags[i] = f & ~HEAPED
             heapq.heappop(heap)
+
+    def _pass(self, head: int) -> int:
+        """Pass the log's entries of rows not available from ``head`` on, a window at a time."""
+        log = np.frombuffer(self.log, np.int64)
+        flags = np.frombuffer(self.flags, np.uint8)
+        window = 4096
+        while head < len(log):
+            idx = log[head : head + window] - self.base
+            inside = (idx >= 0) & (idx < len(flags))
+            member = np.zeros(len(idx), bool)
+            member[inside] = (flags[idx[inside]] & MEMBER) != 0
+            k = int(member.argmax()) if member.any() else len(idx)
+            passed = idx[:k][inside[:k]]
+            flags[passed] &= ~np.uint8(LOGGED)
+            head += k
+            if k < len(idx):
+                break
+            window *= 2
+        return head
+
+    def _oldest_logged(self, n: int) -> list[int]:
+        """The oldest ``n`` available rows when the heap is empty: windows of the log."""
+        log = np.frombuffer(self.log, np.int64)
+        flags = np.frombuffer(self.flags, np.uint8)
+        out: list[np.ndarray] = []
+        got, at, window = 0, self.head, 2 * n
+        while got < n and at < len(log):
+            rows = log[at : at + window]
+            idx = rows - self.base
+            inside = (idx >= 0) & (idx < len(flags))
+            member = np.zeros(len(idx), bool)
+            member[inside] = (flags[idx[inside]] & MEMBER) != 0
+            take = rows[member][: n - got]
+            out.append(take)
+            got += len(take)
+            at += len(rows)
+            window *= 2
+        return np.concatenate(out).tolist() if out else []  # type: ignore[no-any-return]
 
     def rows(self) -> Iterator[int]:
         """The available rows, oldest first."""
@@ -215,6 +265,8 @@ class ReadyView:
             return []
         if not self.heap:  # the common case: the log alone, its head available
             self._clean()
+            if n > SMALL:
+                return self._oldest_logged(n)
             log, flags, base, size = self.log, self.flags, self.base, len(self.flags)
             out: list[int] = []
             for k in range(self.head, len(log)):

@@ -48,7 +48,7 @@ class _Chunk:
         self.partition = partition
         self.columns = columns
         self.nbytes = sum(col.nbytes for col in columns.values())
-        self.positions = {row: i for i, row in enumerate(row_ids)}  # live rows only
+        self.positions = dict(zip(row_ids, range(len(row_ids)), strict=True))  # live rows only
         # (field, row) this chunk replaces once published (an overwrite not yet committed)
         self.staged: list[tuple[str, int]] = []
 
@@ -59,8 +59,25 @@ class _Partition:
     def __init__(self) -> None:
         self.chunks: dict[int, _Chunk] = {}
         self.fields: dict[str, dict[int, _Chunk]] = {}  # field -> row -> the chunk holding it
-        self.rows: dict[int, list[_Chunk]] = {}  # row -> every chunk holding one of its fields
+        # row -> every chunk holding one of its fields: the chunk itself while it is one (a put's
+        # rows: one dict entry, no list), a list once a row has several
+        self.rows: dict[int, _Chunk | list[_Chunk]] = {}
         self.schemas: dict[str, FieldSchema] = {}  # of fields with live rows
+
+
+def _listed(held: _Chunk | list[_Chunk]) -> list[_Chunk]:
+    return held if isinstance(held, list) else [held]
+
+
+def _detach(rows: dict[int, _Chunk | list[_Chunk]], row: int, chunk: _Chunk) -> None:
+    """``chunk`` no longer holds a field of ``row``; the row is forgotten when none does."""
+    held = rows[row]
+    if held is chunk:
+        del rows[row]
+    elif isinstance(held, list):
+        held.remove(chunk)
+        if len(held) == 1:
+            rows[row] = held[0]
 
 
 _TOMBSTONES = 100_000
@@ -193,10 +210,16 @@ class ColumnStore:
                 held.update(dict.fromkeys(row_ids, chunk))
         rows = part.rows
         if rows.keys().isdisjoint(row_ids):  # new rows (a put), not fields added to old ones
-            rows.update((row, [chunk]) for row in row_ids)
+            rows.update(dict.fromkeys(row_ids, chunk))
         else:
             for row in row_ids:
-                rows.setdefault(row, []).append(chunk)
+                have = rows.get(row)
+                if have is None:
+                    rows[row] = chunk
+                elif isinstance(have, list):
+                    have.append(chunk)
+                else:
+                    rows[row] = [have, chunk]
         part.chunks[chunk_id] = chunk
         self._chunks[chunk_id] = chunk
         self._bytes += chunk.nbytes
@@ -238,8 +261,7 @@ class ColumnStore:
             return
         for r in gone:
             del chunk.positions[r]
-            chunks = part.rows[r]
-            chunks.remove(chunk)
+            _detach(part.rows, r, chunk)
         if not chunk.positions:
             self._release(part, chunk)
 
@@ -287,11 +309,11 @@ class ColumnStore:
         out: dict[int, tuple[dict[str, Column], dict[int, int]]] = {}
         missing: list[int] = []
         for row in row_ids:
-            chunks = part.rows.get(row) if part is not None else None
-            if chunks is None:
+            held = part.rows.get(row) if part is not None else None
+            if held is None:
                 missing.append(row)
                 continue
-            for chunk in chunks:
+            for chunk in _listed(held):
                 if keep(chunk.id):
                     entry = out.get(chunk.id)
                     if entry is None:
@@ -307,11 +329,11 @@ class ColumnStore:
         dropped = 0
         by_chunk: dict[_Chunk, list[int]] = {}
         for row in dict.fromkeys(row_ids):
-            chunks = part.rows.pop(row, None)
-            if chunks is None:
+            held = part.rows.pop(row, None)
+            if held is None:
                 continue
             dropped += 1
-            for chunk in chunks:
+            for chunk in _listed(held):
                 by_chunk.setdefault(chunk, []).append(row)
         for chunk, rows in by_chunk.items():
             self._unindex(part, chunk, rows)
@@ -333,10 +355,7 @@ class ColumnStore:
             rows = list(chunk.positions)
             self._unindex(part, chunk, rows)
             for row in rows:
-                chunks = part.rows[row]
-                chunks.remove(chunk)
-                if not chunks:
-                    del part.rows[row]
+                _detach(part.rows, row, chunk)
             self._release(part, chunk)
 
     def reset(self, before_chunk: int) -> None:
