@@ -146,6 +146,11 @@ class ClientConfig:
     keys: str = ""
     """Path of the cluster's CURVE key file (the one ``tqstream-launch --keys`` names), needed to
     reach a cluster started with keys; empty: connect without (docs/security.md)."""
+    locality: str = "host"
+    """``"host"``: puts go to the storage units on this host first (those whose shared memory
+    this process reaches: one copy, no network), unless their quotas are full, and a row kept on
+    two units is read from the copy on this host; ``"off"``: units in turn, reads from a row's
+    first unit."""
     coalesce_window: float | None = 0.0
     """Seconds a one-exchange put waits for other puts of this client to go with it: concurrent
     puts to one partition (``async_put`` from many tasks, ``put`` from many threads) go to a storage
@@ -386,6 +391,9 @@ _PORTS = ("port", "metrics_port")
 _ARTICLED: dict[type, str] = {float: "a number", int: "an int"}
 
 
+_CHOICES = {"shared_memory": ("auto", "off"), "locality": ("host", "off")}
+
+
 def _check(config: Any, component: str) -> None:
     """Refuse a value of the wrong type or out of range, naming the setting that sets it."""
     for f in dataclasses.fields(config):
@@ -406,6 +414,8 @@ def _check(config: Any, component: str) -> None:
             why = "must be a TCP port (0 to 65535)"
         elif not why and kind in (int, float) and not value >= 0:  # NaN too
             why = "must be >= 0"
+        elif not why and f.name in _CHOICES and value not in _CHOICES[f.name]:
+            why = "must be one of " + ", ".join(repr(c) for c in _CHOICES[f.name])
         if why:
             path = f"{component}.{f.name}" if component else f.name
             setting = next((s for s in cluster_settings().values() if path in s.paths), None)

@@ -278,7 +278,8 @@ class UnitLostError(TQStreamError, ConnectionError):
 
 class PlacementRequiredError(TQStreamError, RuntimeError):
     """A put sent straight to a storage unit must be placed by the controller instead (its
-    partition keeps two copies of every row). The client retries it placed by itself."""
+    partition keeps two copies of every row, or the unit's quota is full while other units have
+    room). The client retries it placed by itself."""
 
     code = "placement_required"
 

@@ -203,6 +203,12 @@ class UnitStats(msgspec.Struct, frozen=True):
     alive: bool = True
     max_bytes: int = 0  # byte quota; 0: unlimited
     spare_bytes: int = 0  # recycled shared-memory segments kept for reuse (not in ``bytes``)
+    # bytes stored since the unit started, from writers on its host (which reach its shared
+    # memory) and from writers elsewhere (over the network)
+    local_bytes: int = 0
+    remote_bytes: int = 0
+    local_read_bytes: int = 0  # bytes read since the unit started, by readers on its host
+    remote_read_bytes: int = 0  # and by readers elsewhere
 
 
 class Stats(msgspec.Struct, frozen=True):

@@ -1096,14 +1096,16 @@ def test_a_stored_put_waits_for_room_on_its_own_unit() -> None:
     s.create_partition("p", ["a"], tasks=["t"])
     first, _ = s.put_stored(stored_req(1, nbytes=80), 0, 0.0)
     assert first is not None
-    # unit 1 has room, but the data is on unit 0: the put waits for room there
+    assert s.put_stored(stored_req(1, nbytes=80), 1, 0.0)[0] is not None
+    # no unit has room for 40 more bytes: the put waits for room on the unit holding its data
+    # (with room on another unit it would be refused, to be placed there: test_placement_locality)
     assert s.put_stored(stored_req(1, nbytes=40, timeout=5.0), 0, 1.0, "producer")[0] is None
     assert s.puts.parked("producer").pinned == 0
     meta = get(s, ("a",), 1, task="t", now=2.0)
-    assert meta is not None
+    assert meta is not None and meta.units == [0]
     _, effects = s.ack("p", "t", meta.lease_id, meta.row_ids)  # frees unit 0's 80 bytes
     ((handle, reply),) = effects.replies
-    assert handle == "producer" and reply.meta.units == [0] and s.units.bytes == [40, 0]
+    assert handle == "producer" and reply.meta.units == [0] and s.units.bytes == [40, 80]
     with pytest.raises(CapacityError, match="can never fit on storage unit 1, whose quota is 100"):
         s.put_stored(stored_req(1, nbytes=150), 1, 3.0)
 

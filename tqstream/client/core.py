@@ -127,6 +127,17 @@ def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) 
     return out
 
 
+def read_near(meta: BatchMeta, near: set[int]) -> BatchMeta:
+    """``meta`` with the rows whose copy is on this host (a unit of ``near``) and first unit is
+    not read from the copy; the first unit becomes their fallback."""
+    swap = [u not in near and r in near for u, r in zip(meta.units, meta.replicas, strict=True)]
+    if not any(swap):
+        return meta
+    units = [r if s else u for u, r, s in zip(meta.units, meta.replicas, swap, strict=True)]
+    copies = [u if s else r for u, r, s in zip(meta.units, meta.replicas, swap, strict=True)]
+    return msgspec.structs.replace(meta, units=units, replicas=copies)
+
+
 def _by_unit(units: Sequence[int], positions: Sequence[int]) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for u, i in zip(units, positions, strict=True):
@@ -162,6 +173,10 @@ class ClientCore:
         self.keys = keys
         self.controller = controller
         self.unit_addresses: list[str] = self._addresses(controller.welcome)
+        # units on this host (their shared memory reached), and those puts go to first (the same,
+        # unless ClientConfig.locality is "off")
+        self.hosted: set[int] = self._hosted(controller.welcome)
+        self.near = self.hosted if config.locality == "host" else set()
         self._units: dict[int, asyncio.Task[Connection]] = {}
         self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
         self._spares: dict[int, list[Spare]] = {}  # unit -> its recycled segments, last we heard
@@ -209,6 +224,11 @@ class ClientCore:
         return [
             (local[i] if i < len(local) and local[i] else a) for i, a in enumerate(welcome.units)
         ]
+
+    @staticmethod
+    def _hosted(welcome: Welcome) -> set[int]:
+        """The units whose shared memory this process reaches: on its host."""
+        return {i for i, token in enumerate(welcome.unit_shm) if shm.reachable(token)}
 
     @staticmethod
     async def _connect(
@@ -287,6 +307,8 @@ class ClientCore:
         if index >= len(self.unit_addresses):  # a unit that registered after we connected
             welcome = await self._ask(Hello(rid=0, protocol=PROTOCOL_VERSION), Welcome)
             self.unit_addresses = self._addresses(welcome)
+            self.hosted = self._hosted(welcome)
+            self.near = self.hosted if self.config.locality == "host" else set()
         if index >= len(self.unit_addresses):
             raise InternalError(
                 f"the controller placed rows on storage unit {index}, but knows "
@@ -353,8 +375,9 @@ class ClientCore:
             wait = None if req.timeout is None else req.timeout + GET_GRACE
             try:
                 return await self._put_direct(req, columns, wait)
-            except PlacementRequiredError:  # refused before anything was stored: place it
-                self._placed.add(req.partition)
+            except PlacementRequiredError as exc:  # refused before anything was stored: place it
+                if not exc.details.get("full"):  # (a full unit: this put only; a partition of
+                    self._placed.add(req.partition)  # two copies: all of its puts)
         return await self._put_placed(req, columns)
 
     async def _coalesced(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
@@ -426,6 +449,8 @@ class ClientCore:
         """A put the controller places first (prepare), then stored on its units and committed."""
         partition = req.partition
         wait = None if req.timeout is None else req.timeout + GET_GRACE
+        if self.near and len(self.near) < len(self.unit_addresses):
+            req = msgspec.structs.replace(req, near=sorted(self.near))
         plan: PutPlan = await self._ask(req, PutPlan, timeout=wait)
 
         async def store() -> BatchMeta:
@@ -451,12 +476,7 @@ class ClientCore:
         """One exchange: the next reachable storage unit in turn takes the rows and commits them.
         The bytes go through the unit's shared memory when it shares this host and the put has
         ``shared_memory_min_bytes``, else as one packed frame."""
-        n, now = len(self.unit_addresses), time.monotonic()
-        for _ in range(n):
-            unit = self._turn % n
-            self._turn += 1
-            if self._skip.get(unit, 0.0) <= now and not self._is_down(unit):
-                break
+        unit = self._direct_unit()
         wait = None if wait is None else wait + GET_GRACE  # the unit waits for the controller
         segment = ""
         try:
@@ -470,17 +490,17 @@ class ClientCore:
                 written = _write_shared(segment, buffers, self._spares.setdefault(unit, []))
                 if written is not None:
                     msg, buffers = PutRows(rid=0, put=req, columns=refs, shared=written[0],
-                                           reused=written[1]), []  # fmt: skip
+                                           reused=written[1], local=True), []  # fmt: skip
             if msg is None:
                 segment = ""
                 refs, buffers = columns_to_wire(columns, packed=True)
-                msg = PutRows(rid=0, put=req, columns=refs)
+                msg = PutRows(rid=0, put=req, columns=refs, local=unit in self.hosted)
             reply: MetaReply = await self._ask(
                 msg, MetaReply, conn=conn, buffers=buffers, timeout=wait
             )
             segment = ""  # the unit took it
         except (ConnectError, ConnectionLostError) as exc:
-            self._skip[unit] = now + self.config.connect_timeout
+            self._skip[unit] = time.monotonic() + self.config.connect_timeout
             raise UnitLostError(
                 f"storage unit {unit} at {self.unit_addresses[unit]} did not take a put of "
                 f"{req.n_rows} rows to partition {req.partition!r}: {exc.message}; if it had "
@@ -497,6 +517,20 @@ class ClientCore:
             self._spares[unit] = list(reply.spare)
         meta = reply.meta
         return msgspec.structs.replace(meta, rejected=req.rejected) if req.rejected else meta
+
+    def _direct_unit(self) -> int:
+        """The unit a one-exchange put goes to: the next reachable one in turn, of those on this
+        host if one of them is reachable, else of all."""
+        n, now = len(self.unit_addresses), time.monotonic()
+        near = [u for u in sorted(self.near) if u < n]
+        unit = self._turn % n
+        for pool in (near, list(range(n))) if near else (list(range(n)),):
+            for _ in range(len(pool)):
+                unit = pool[self._turn % len(pool)]
+                self._turn += 1
+                if self._skip.get(unit, 0.0) <= now and not self._is_down(unit):
+                    return unit
+        return unit
 
     async def write_fields(
         self, req: PrepareFields, columns: dict[str, Column]
@@ -546,7 +580,7 @@ class ClientCore:
         token = self._token(unit)
         refs, buffers = columns_to_wire(part)
         msg = Store(rid=0, partition=partition, chunk=chunk, row_ids=rows, columns=refs,
-                    overwrite=overwrite)  # fmt: skip
+                    overwrite=overwrite, local=unit in self.hosted)  # fmt: skip
         size = sum(memoryview(b).nbytes for b in buffers)
         if token and buffers and size >= self.config.shared_memory_min_bytes:
             spares = self._spares.setdefault(unit, [])
@@ -605,6 +639,8 @@ class ClientCore:
         """The rows' columns, in batch order; rows held by several units are fetched in parallel."""
         if not meta.row_ids or not fields:
             return {}
+        if meta.replicas and self.near:
+            meta = read_near(meta, self.near)
         by_unit = _by_unit(meta.units, range(len(meta.row_ids)))
         jobs = [self._fetch_from(meta, u, pos, fields) for u, pos in by_unit.items()]
         pieces = [piece for pieces in await _all(jobs) for piece in pieces]
@@ -631,6 +667,7 @@ class ClientCore:
                 row_ids=[meta.row_ids[i] for i in positions],
                 fields=fields,
                 shared=bool(token),
+                local=unit in self.hosted,
             )
             reply, frames = await self._ask(msg, Columns, conn=conn)
         except (ConnectError, ConnectionLostError) as exc:

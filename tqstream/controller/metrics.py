@@ -303,6 +303,25 @@ def _families(s: Sample, started: float) -> Iterator[Metric]:
         for i, u in enumerate(stats.units):
             fam.add_metric([str(i), u.address], float(getattr(u, key)))
         yield fam
+    stored = CounterMetricFamily(
+        "tqstream_unit_stored_bytes",
+        "Bytes stored since the unit started, by where the writer was: local (on the unit's host) "
+        "or remote (another host: over the network).",
+        labels=["unit", "address", "origin"],
+    )
+    read = CounterMetricFamily(
+        "tqstream_unit_read_bytes",
+        "Bytes read since the unit started, by where the reader was: local (on the unit's host) "
+        "or remote (another host: over the network).",
+        labels=["unit", "address", "origin"],
+    )
+    for i, u in enumerate(stats.units):
+        stored.add_metric([str(i), u.address, "local"], float(u.local_bytes))
+        stored.add_metric([str(i), u.address, "remote"], float(u.remote_bytes))
+        read.add_metric([str(i), u.address, "local"], float(u.local_read_bytes))
+        read.add_metric([str(i), u.address, "remote"], float(u.remote_read_bytes))
+    yield stored
+    yield read
 
     # --- admissions ---
     families: dict[str, Any] = {}

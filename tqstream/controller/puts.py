@@ -105,7 +105,9 @@ class Puts:
         check_versions(req.dispatch_version, "dispatch_version")
         self._check_rows(req.partition, req.n_rows)
         if pinned is None:
-            runs = self.units.place(req.n_rows, req.nbytes, self.catalog.replicas_of(req.partition))
+            runs = self.units.place(
+                req.n_rows, req.nbytes, self.catalog.replicas_of(req.partition), req.near
+            )
         else:
             if self.catalog.replicas_of(req.partition) > 1 and len(self.units.live()) > 1:
                 raise PlacementRequiredError(
@@ -115,6 +117,15 @@ class Puts:
                     partition=req.partition,
                 )
             runs = self.units.place_on(pinned, req.n_rows, req.nbytes)
+            if runs is None and self.units.room_elsewhere(pinned, req.nbytes):
+                raise PlacementRequiredError(
+                    f"storage unit {pinned} has no room for this put's {req.nbytes} bytes (its "
+                    f"quota) and other units have: the put is placed by the controller instead "
+                    f"(the client does so by itself)",
+                    partition=req.partition,
+                    unit=pinned,
+                    full=True,
+                )
         if runs is None:  # no room now: back-pressure, never a silent drop
             if handle is None or req.timeout == 0:
                 raise self.capacity_error(req, 0.0)

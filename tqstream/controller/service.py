@@ -157,6 +157,7 @@ class ControllerService:
                 max_message_bytes=config.max_message_bytes,
                 units=lambda: list(self.state.units.addresses),
                 inproc_units=lambda: list(self.inproc_units),
+                unit_shm=lambda: list(self.unit_shm),
                 inproc=inproc,
                 on_disconnect=self._peer_gone,
                 keys=self.keys,
@@ -170,6 +171,7 @@ class ControllerService:
             self.server.observe = self.metrics.observe
         self.units: list[Connection] = []
         self.inproc_units: list[str] = []
+        self.unit_shm: list[str] = []  # each unit's shared-memory token ("" without)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -318,7 +320,7 @@ class ControllerService:
                 case GetStats():
                     return self._stats(msg.rid, msg.partition)
                 case RegisterUnit():
-                    return self._register(msg.rid, msg.address, msg.max_bytes, msg.inproc)
+                    return self._register(msg.rid, msg.address, msg.max_bytes, msg.inproc, msg.shm)
                 case UnitStopping():
                     self._stopping.add(msg.unit)
                     return Ok(rid=msg.rid, count=1)
@@ -480,9 +482,13 @@ class ControllerService:
         self._apply(effects)  # a lost unit registering again: it drops what it held
         return unit
 
-    async def _register(self, rid: int, address: str, max_bytes: int, inproc: str) -> Registered:
+    async def _register(
+        self, rid: int, address: str, max_bytes: int, inproc: str, shm: str
+    ) -> Registered:
         if address in self.state.units.addresses:  # a restarted unit, or a repeated register
-            return Registered(rid=rid, unit=self._add_unit(address, max_bytes))
+            unit = self._add_unit(address, max_bytes)
+            self.unit_shm[unit] = shm  # a restarted unit's segments have a new token
+            return Registered(rid=rid, unit=unit)
         conn = await Connection.open(
             self.ctx,
             inproc or address,
@@ -494,7 +500,9 @@ class ControllerService:
         )
         if address in self.state.units.addresses:  # registered twice at once: keep the first
             conn.close()
-            return Registered(rid=rid, unit=self._add_unit(address, max_bytes))
+            unit = self._add_unit(address, max_bytes)
+            self.unit_shm[unit] = shm
+            return Registered(rid=rid, unit=unit)
         unit = self._add_unit(address, max_bytes)
         assert unit == len(self.units)
         _log.info("storage unit %d registered at %s", unit, address)
@@ -502,6 +510,7 @@ class ControllerService:
         conn.on_up = lambda: self._unit_up(unit)
         self.units.append(conn)
         self.inproc_units.append(inproc)
+        self.unit_shm.append(shm)
         return Registered(rid=rid, unit=unit)
 
     async def _stats(self, rid: int, partition: str | None) -> StatsReply:

@@ -13,6 +13,8 @@ the indices in ``BatchMeta.units`` stay meaningful.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tqstream.controller.placement import place, place_on
 from tqstream.errors import CapacityError, UnitLostError
 
@@ -69,17 +71,30 @@ class UnitTable:
             self.bytes[replica] += nbytes
 
     def place(
-        self, n_rows: int, nbytes: int, replicas: int = 1
+        self, n_rows: int, nbytes: int, replicas: int = 1, near: Sequence[int] = ()
     ) -> list[tuple[int, int, int, int]] | None:
         """``(unit, replica, start, stop)`` runs over the live units (replica -1: none), or None
-        while the put does not fit yet. A second copy goes to another live unit when there is
-        one; with a single live unit the rows are stored once (see ``docs/faults.md``)."""
+        while the put does not fit yet. The units of ``near`` (the writer's host) take the rows
+        when they have room, else the least loaded of all. A second copy goes to another live
+        unit when there is one; with a single live unit the rows are stored once (see
+        ``docs/faults.md``)."""
         live = self.live()
         if not live:
             raise self._none_alive()
         sub_bytes = [self.bytes[u] for u in live]
         sub_quota = [self.quota[u] for u in live]
-        runs = place(sub_bytes, n_rows, nbytes, sub_quota, self.turn)
+        runs = None
+        mine = [i for i, u in enumerate(live) if u in near]
+        if 0 < len(mine) < len(live):  # the writer's host first
+            try:
+                local = place([sub_bytes[i] for i in mine], n_rows, nbytes,
+                              [sub_quota[i] for i in mine], self.turn)  # fmt: skip
+            except CapacityError:  # can never fit on those alone
+                local = None
+            if local is not None:
+                runs = [(mine[i], start, stop) for i, start, stop in local]
+        if runs is None:
+            runs = place(sub_bytes, n_rows, nbytes, sub_quota, self.turn)
         self.turn += 1
         if runs is None:
             return None
@@ -118,6 +133,13 @@ class UnitTable:
             )
         runs = place_on(u, self.bytes, n_rows, nbytes, self.quota)
         return None if runs is None else [(unit, -1, a, b) for unit, a, b in runs]
+
+    def room_elsewhere(self, u: int, nbytes: int) -> bool:
+        """Whether a live unit other than ``u`` has room for ``nbytes`` now."""
+        return any(
+            v != u and (not self.quota[v] or self.bytes[v] + nbytes <= self.quota[v])
+            for v in self.live()
+        )
 
     def _none_alive(self) -> CapacityError:
         if not self.addresses:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -129,11 +130,25 @@ class ProcessCluster:
         self.restarts += 1
         return self.unit_addresses[i]
 
+    def add_unit(self, prefix: Sequence[str] = ()) -> str:
+        """Start one more storage unit with the cluster's storage settings, registered with its
+        controller and stopped with the cluster; returns its address. ``prefix``: a command the
+        unit runs under, e.g. one that enters another mount namespace (a private ``/dev/shm``:
+        for the clients, a unit on another host)."""
+        proc = self._spawn("storage", self.config.storage, prefix=prefix)
+        address = self._ready(proc, "storage unit")
+        self.unit_addresses.append(address)
+        return address
+
     def _spawn(
-        self, role: str, config: ControllerConfig | StorageConfig, at: int | None = None
+        self,
+        role: str,
+        config: ControllerConfig | StorageConfig,
+        at: int | None = None,
+        prefix: Sequence[str] = (),
     ) -> subprocess.Popen[str]:
         """Start a child with its configuration, as ``procs[at]`` (None: appended)."""
-        cmd = [sys.executable, "-m", "tqstream.launch.worker", role]
+        cmd = [*prefix, sys.executable, "-m", "tqstream.launch.worker", role]
         cmd += ["--config", msgspec.json.encode(config).decode(), "--log-level", self._log_level]
         if role == "storage":
             cmd += ["--controller", self.address]

@@ -130,6 +130,9 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     units: list[str] = []
     shm: str = ""  # a storage unit's shared-memory token; "" when it has none
     inproc_units: list[str] = []  # units' inproc:// addresses (embedded), "" where none
+    # units' shared-memory tokens (from the controller), "" where none: a client that reaches a
+    # unit's token shares its host's /dev/shm, and puts there first (locality)
+    unit_shm: list[str] = []
     cluster: str = ""  # the controller's token for this run of the cluster ("" from a unit)
     controller: str = ""  # a storage unit's controller address ("" from the controller)
 
@@ -139,6 +142,7 @@ class RegisterUnit(_Msg, frozen=True, tag="register_unit"):
     address: str
     max_bytes: Bytes = 0  # the unit's byte quota; 0: unlimited
     inproc: str = ""  # the unit's inproc:// address when it runs embedded
+    shm: str = ""  # the unit's shared-memory token ("" without): which clients share its host
 
 
 class UnitStopping(_Msg, frozen=True, tag="unit_stopping"):
@@ -184,6 +188,8 @@ class PreparePut(_Msg, frozen=True, tag="prepare_put"):
     rejected: Count = 0  # rows of this put refused by the producer (mixed versions)
     timeout: Seconds | None = None  # wait this long for storage room (byte quotas)
     tags: RowTags | None = None  # per row, its tags
+    # units on the writer's host (it reaches their shared memory): placement prefers them
+    near: list[Id] = []
 
 
 class PrepareFields(_Msg, frozen=True, tag="prepare_fields"):
@@ -316,6 +322,7 @@ class Store(_Msg, frozen=True, tag="store"):
     # fields the rows hold already are staged: they replace the old values at the Publish the
     # controller sends once the write committed (a put_fields that may overwrite)
     overwrite: bool = False
+    local: bool = False  # the writer is on the unit's host (counted in UnitStats.local_bytes)
 
 
 class Fetch(_Msg, frozen=True, tag="fetch"):
@@ -323,6 +330,7 @@ class Fetch(_Msg, frozen=True, tag="fetch"):
     row_ids: Ids
     fields: Names
     shared: bool = False  # the client reads the unit's shared memory: answer with regions
+    local: bool = False  # the reader is on the unit's host (counted in UnitStats.local_read_bytes)
 
 
 class PutRows(_Msg, frozen=True, tag="put_rows"):
@@ -336,6 +344,7 @@ class PutRows(_Msg, frozen=True, tag="put_rows"):
     # takes the segment over by renaming it, and it becomes the chunk's memory
     shared: list[Region] = []
     reused: str = ""  # the spare segment the client claimed (renamed) for it
+    local: bool = False  # the writer is on the unit's host (counted in UnitStats.local_bytes)
 
 
 class PutStored(_Msg, frozen=True, tag="put_stored"):

@@ -104,6 +104,7 @@ class Server:
         max_message_bytes: int,
         units: Callable[[], list[str]] = lambda: [],
         inproc_units: Callable[[], list[str]] = lambda: [],
+        unit_shm: Callable[[], list[str]] = lambda: [],
         shm: str = "",
         inproc: bool = False,
         on_disconnect: Callable[[bytes], None] | None = None,
@@ -121,6 +122,7 @@ class Server:
         self._handler = handler
         self._units = units
         self._inproc_units = inproc_units
+        self._unit_shm = unit_shm
         self._shm = shm
         self._cluster = cluster  # told to every client at the handshake (see Welcome.cluster)
         self._controller = controller  # a unit's controller, told likewise (Welcome.controller)
@@ -335,6 +337,7 @@ class Server:
             units=list(self._units()),
             shm=self._shm,
             inproc_units=list(self._inproc_units()),
+            unit_shm=list(self._unit_shm()),
             cluster=self._cluster,
             controller=self._controller,
         )

@@ -96,7 +96,7 @@ PUT_GRACE = 10.0
 class _Landing:
     """A stored put whose commit is in flight (see the module docstring)."""
 
-    __slots__ = ("answer", "cleared_before", "done", "drops", "put", "segment")
+    __slots__ = ("answer", "cleared_before", "done", "drops", "local", "put", "segment")
 
     def __init__(
         self,
@@ -104,8 +104,10 @@ class _Landing:
         answer: asyncio.Future[StoredReply],
         done: asyncio.Future[None],
         segment: str = "",
+        local: bool = False,
     ) -> None:
         self.put = put
+        self.local = local  # the writer is on this host
         self.segment = segment  # the shared-memory segment holding the columns ("" for frames)
         self.answer = answer  # the controller's answer
         self.done = done  # set once the put is over (indexed, refused or failed)
@@ -125,6 +127,8 @@ class StorageService:
         self.controller = controller
         self.ctx = ctx or shared_context()
         self.keys = load_keys(config.keys) if config.keys else None
+        self.stored = {True: 0, False: 0}  # bytes stored: from writers on this host, or not
+        self.served = {True: 0, False: 0}  # bytes read: by readers on this host, or not
         self.segments = shm.UnitSegments() if shm.available() else None
         self._dropped: list[int] = []
         self.store = ColumnStore(on_release=self._released)
@@ -172,6 +176,7 @@ class StorageService:
                 address=self.address,
                 max_bytes=self.config.max_bytes,
                 inproc=self.server.inproc_address,
+                shm=self.segments.token if self.segments else "",
             )
             reply, _ = await conn.request(msg, timeout=30.0)
         except BaseException:
@@ -212,6 +217,7 @@ class StorageService:
         if not msg.shared:
             columns = {ref.name: column_from_wire(ref, frames) for ref in msg.columns}
             self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns, msg.overwrite)
+            self._count(columns, msg.local)
             return Ok(rid=msg.rid, count=len(msg.row_ids))
         if self.segments is None:
             raise InvalidRequestError(
@@ -229,7 +235,12 @@ class StorageService:
             if not self.store.holds(msg.chunk):  # nothing stored: leave no orphan segment either
                 self.segments.release(msg.chunk)
             raise
+        self._count(columns, msg.local)
         return Ok(rid=msg.rid, count=len(msg.row_ids), spare=self.segments.spares())
+
+    def _count(self, columns: Mapping[str, Column], local: bool) -> None:
+        """Bytes stored, by where their writer was (``UnitStats.local_bytes``)."""
+        self.stored[local] += sum(col.nbytes for col in columns.values())
 
     # --- stored puts ---
     def _put(self, msg: PutRows, frames: list[Any]) -> Awaitable[MetaReply]:
@@ -262,7 +273,7 @@ class StorageService:
         nbytes = sum(col.nbytes for col in columns.values())
         put = msgspec.structs.replace(put, rid=0, nbytes=nbytes)
         loop = asyncio.get_running_loop()
-        landing = _Landing(put, loop.create_future(), loop.create_future(), segment)
+        landing = _Landing(put, loop.create_future(), loop.create_future(), segment, msg.local)
         self._landings.add(landing)
         if not self._outgoing:  # after this drain of the socket: one PutStored for its puts
             loop.call_soon(self._send_stored)
@@ -321,6 +332,7 @@ class StorageService:
                 except BaseException:
                     self._released(reply.chunk, False)
                     raise
+                self._count(columns, landing.local)
                 if landing.drops:
                     self.store.drop_rows(partition, landing.drops.intersection(rows))
             if landing.segment and self.segments is not None:
@@ -358,6 +370,7 @@ class StorageService:
 
     def _fetch(self, msg: Fetch) -> tuple[Columns, list[Any]]:
         columns = self.store.fetch(msg.partition, msg.row_ids, msg.fields)
+        self.served[msg.local] += sum(col.nbytes for col in columns.values())
         refs, buffers = columns_to_wire(columns)
         if not msg.shared or self.segments is None:
             return Columns(rid=msg.rid, columns=refs), buffers
@@ -447,6 +460,10 @@ class StorageService:
                     rows=s.rows,
                     max_bytes=self.config.max_bytes,
                     spare_bytes=self.segments.spare_bytes if self.segments else 0,
+                    local_bytes=self.stored[True],
+                    remote_bytes=self.stored[False],
+                    local_read_bytes=self.served[True],
+                    remote_read_bytes=self.served[False],
                 )
                 return UnitStatsReply(rid=msg.rid, stats=stats)
             case _:

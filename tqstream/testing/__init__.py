@@ -1,0 +1,1 @@
+"""Tools for testing tqstream deployments (``rig``: several hosts on one machine)."""
