@@ -262,10 +262,6 @@ class Rows:
     def set_version(self, col: array, rid: int, v: int | None) -> None:
         col[rid - self.base] = NO_VERSION if v is None else v
 
-    @staticmethod
-    def version(v: int) -> int | None:
-        return None if v == NO_VERSION else v
-
     def versions(self, col: array, idx: Sequence[int] | np.ndarray) -> list[int | None]:
         if isinstance(idx, np.ndarray) or (isinstance(idx, range) and len(idx) > SMALL):
             whole = np.frombuffer(col, np.int32)
