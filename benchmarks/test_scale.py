@@ -82,15 +82,16 @@ def measure(held: int) -> dict[str, Any]:
             sizes = [MAX_PUT] * (held // MAX_PUT) + ([held % MAX_PUT] if held % MAX_PUT else [])
             largest = max(sizes)
             put_s = 0.0
-            for n in sorted(sizes):  # the largest last, with the prober running
+            for i, n in enumerate(sorted(sizes)):  # the largest last, with the prober running
                 data = {"x": torch.zeros(n, 1, dtype=torch.int8)}
-                if n == largest:
+                last = i == len(sizes) - 1
+                if last:
                     prober.start()
                     time.sleep(0.5)
                     prober.times.clear()
                 t0 = time.perf_counter()
                 client.put(data, "big")
-                if n == largest:
+                if last:
                     put_s = time.perf_counter() - t0
                     time.sleep(0.2)
                     prober.stop.set()
