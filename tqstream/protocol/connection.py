@@ -96,6 +96,7 @@ class Connection:
         self._keys = keys
         self._unsent: list[list[Any]] = []  # requests ZMQ would not take yet (never with HWM 0)
         self._poller: zmq.Poller | None = None  # for requests that wait without a running loop
+        self.decode: Callable[[Any], Any] = decode_reply  # how replies are read
         self.on_down: Callable[[], None] | None = None
         """Called when the TCP connection drops (the peer died, or missed 3 heartbeats)."""
         self.on_up: Callable[[], None] | None = None
@@ -357,7 +358,7 @@ class Connection:
             frames: list[Any] = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             header = frames[0].buffer
             try:
-                reply = decode_reply(header)
+                reply = self.decode(header)
             except Exception as exc:
                 rid = _rid_of(_peek(header))
                 fut, op = self._pending.get(rid, (None, ""))

@@ -659,9 +659,47 @@ Reply = (
     | CheckpointReply
 )
 
+
+class StoredRelay(_Msg, frozen=True, tag="stored"):
+    """A ``StoredReply`` as the storage unit that relays it decodes it: the rows' metadata stays
+    the encoded bytes the controller sent (the unit passes them on to the client in its
+    ``MetaReply`` without decoding or encoding 10⁶ keys); ``row_ids`` reads just the rows."""
+
+    chunk: int
+    meta: msgspec.Raw
+
+    def row_ids(self) -> list[int]:
+        return _row_ids_decoder.decode(self.meta).row_ids
+
+
+class StoredRelays(_Msg, frozen=True, tag="stored_results"):
+    results: list[StoredRelay | ErrorReply]
+
+
+class _RowIds(msgspec.Struct):
+    row_ids: list[int]
+
+
+UnitReply = (
+    Ok
+    | ErrorReply
+    | Welcome
+    | Registered
+    | StoredRelay
+    | StoredRelays
+    | Results
+    | StatsReply
+    | Slots
+    | AdmissionReply
+    | CheckpointReply
+)
+"""What a storage unit reads from its controller (``StoredRelays`` for ``StoredResults``)."""
+
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_unit_reply_decoder = msgspec.msgpack.Decoder(UnitReply)
+_row_ids_decoder = msgspec.msgpack.Decoder(_RowIds)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -692,3 +730,8 @@ def check_request(data: bytes, op: str) -> None:
 
 def decode_reply(data: bytes | memoryview) -> Any:
     return _reply_decoder.decode(data)
+
+
+def decode_unit_reply(data: bytes | memoryview) -> Any:
+    """A reply from the controller to a storage unit (see :class:`StoredRelay`)."""
+    return _unit_reply_decoder.decode(data)

@@ -69,10 +69,11 @@ from tqstream.protocol.messages import (
     ResetUnit,
     SaveUnit,
     Store,
-    StoredReply,
-    StoredResults,
+    StoredRelay,
+    StoredRelays,
     UnitStatsReply,
     UnitStopping,
+    decode_unit_reply,
 )
 from tqstream.protocol.server import Responder, Server
 from tqstream.protocol.transport import error_from_reply, shared_context
@@ -101,7 +102,7 @@ class _Landing:
     def __init__(
         self,
         put: PreparePut,
-        answer: asyncio.Future[StoredReply],
+        answer: asyncio.Future[StoredRelay],
         done: asyncio.Future[None],
         segment: str = "",
         local: bool = False,
@@ -170,6 +171,7 @@ class StorageService:
             max_message_bytes=self.config.max_message_bytes,
             keys=self.keys,
         )
+        conn.decode = decode_unit_reply  # a put's metadata is relayed, not decoded (StoredRelay)
         try:
             msg = RegisterUnit(
                 rid=0,
@@ -300,7 +302,7 @@ class StorageService:
         req = PutStored(rid=0, unit=self.unit, puts=[x.put for x in landings])
         try:
             reply, _ = await self._link.request(req, timeout=wait)
-            if not isinstance(reply, StoredResults) or len(reply.results) != len(landings):
+            if not isinstance(reply, StoredRelays) or len(reply.results) != len(landings):
                 raise InternalError(f"expected {len(landings)} StoredResults, got {reply!r}")
         except asyncio.CancelledError:  # the unit is closing
             for x in landings:
@@ -320,7 +322,7 @@ class StorageService:
         partition, segment = landing.put.partition, landing.segment
         try:
             reply = await landing.answer
-            rows = reply.meta.row_ids
+            rows = reply.row_ids()
             self.checkpoints.landed(partition, reply.chunk, rows, columns)  # before its drops
             before = landing.cleared_before
             if before < 0 or (before and reply.chunk >= before):  # not cleared since the commit
@@ -335,9 +337,10 @@ class StorageService:
                 self._count(columns, landing.local)
                 if landing.drops:
                     self.store.drop_rows(partition, landing.drops.intersection(rows))
+            meta: Any = reply.meta  # the controller's encoded BatchMeta, passed on as it came
             if landing.segment and self.segments is not None:
-                return MetaReply(rid=rid, meta=reply.meta, spare=self.segments.spares())
-            return MetaReply(rid=rid, meta=reply.meta)
+                return MetaReply(rid=rid, meta=meta, spare=self.segments.spares())
+            return MetaReply(rid=rid, meta=meta)
         finally:
             if segment:  # nothing was stored: the segment goes back to the spares
                 self.segments.untake(segment)  # type: ignore[union-attr]
