@@ -128,3 +128,12 @@ def test_two_copies_are_read_from_this_hosts_unit(
         assert torch.equal(data["x"], expected)
         reader.ack(got)
         reader.clear_partition(partition)
+
+
+def test_a_unit_added_under_a_command_restarts_under_it() -> None:
+    with tqstream.ProcessCluster(storage_units=1) as c:
+        c.add_unit(ELSEWHERE)
+        c.restart_unit(1)  # registers again at its address, with a new token, still elsewhere
+        with tqstream.connect(c.address) as client:
+            assert client._core.near == {0}
+            assert [u.alive for u in client.stats().units] == [True, True]

@@ -98,6 +98,7 @@ class ProcessCluster:
         if self.keys:
             ensure_keys(self.keys)  # before any child: they all load the same file
         self.procs: list[subprocess.Popen[str]] = []
+        self._prefixes: dict[int, list[str]] = {}  # unit -> the command it runs under
         self.restarts = 0
         self._log_level = log_level
         try:
@@ -125,7 +126,9 @@ class ProcessCluster:
             if stream is not None:
                 stream.close()
         port = int(self.unit_addresses[i].rsplit(":", 1)[1])
-        proc = self._spawn("storage", replace(self.config.storage, port=port), at=i + 1)
+        prefix = self._prefixes.get(i, ())
+        proc = self._spawn("storage", replace(self.config.storage, port=port), at=i + 1,
+                           prefix=prefix)  # fmt: skip
         self.unit_addresses[i] = self._ready(proc, "storage unit")
         self.restarts += 1
         return self.unit_addresses[i]
@@ -137,6 +140,7 @@ class ProcessCluster:
         for the clients, a unit on another host)."""
         proc = self._spawn("storage", self.config.storage, prefix=prefix)
         address = self._ready(proc, "storage unit")
+        self._prefixes[len(self.unit_addresses)] = list(prefix)  # a restart runs under it too
         self.unit_addresses.append(address)
         return address
 
