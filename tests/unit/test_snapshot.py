@@ -273,6 +273,8 @@ def _damaged(snap: ControllerSnapshot, **rows: Any) -> ControllerSnapshot:
         (lambda snap: _damaged(snap, keys=["k0"] * 7), "repeats"),
         (lambda snap: _damaged(snap, written=[1 << 9] * 7), "fields it does not have"),
         (lambda snap: _damaged(snap, ids=[0, 1]), "different lengths"),
+        (lambda snap: _damaged(snap, ids=[0] * 7), "a row id twice or out of its range"),
+        (lambda snap: _damaged(snap, version_start=[2**40] * 7), "version_start out of range"),
         (lambda snap: msgspec.structs.replace(snap, files=snap.files * 2), "in two files"),
     ],
 )

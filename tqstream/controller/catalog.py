@@ -144,7 +144,7 @@ class Catalog:
     ) -> BatchMeta:
         """The metadata of rows ``ids`` (in that order), read from the columns at once."""
         t = p.rows
-        idx = t.index(ids) if len(ids) > 16 else t.at(ids)
+        idx = t.index(ids)
         replicas = t.column(t.replica, idx)
         tags = [t.tags.get(rid) or {} for rid in ids] if t.tags else []
         return BatchMeta(

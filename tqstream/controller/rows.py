@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from tqstream.errors import InvalidRequestError
+from tqstream.staleness import MAX_VERSION
 
 SMALL = 64
 """Up to this many rows, bulk operations go row by row (numpy's call costs more)."""
@@ -33,7 +34,7 @@ _DTYPES = {"b": np.int8, "h": np.int16, "i": np.int32, "q": np.int64, "Q": np.ui
 NO_VERSION = -(2**31)
 """A version column's None (versions are 32-bit; see :func:`check_versions`)."""
 
-VERSION_MIN, VERSION_MAX = -(2**31) + 1, 2**31 - 1
+VERSION_MIN, VERSION_MAX = -MAX_VERSION, MAX_VERSION
 
 
 def masks(n: int) -> array:
@@ -152,14 +153,6 @@ class Rows:
     def columns(self) -> list[Any]:
         return [self.state, self.written, self.unit, self.replica, self.nbytes, self.vstart,
                 self.vend, self.vdisp, self.seq, self.group]  # fmt: skip
-
-    def remove(self, rid: int) -> None:
-        i = rid - self.base
-        self.state[i] = 0
-        self.live -= 1
-        for extra in (self.named, self.tags, self.pending, self.writes):
-            if extra:
-                extra.pop(rid, None)
 
     def remove_few(self, ids: list[int]) -> None:
         """Remove rows ``ids`` (rows, no repeats)."""
@@ -302,10 +295,6 @@ class Rows:
             return [None] * len(idx)
         names = self.group_names
         return [None if g < 0 else names[g] for g in self.column(self.group, idx)]
-
-    def at(self, ids: Sequence[int]) -> list[int]:
-        base = self.base
-        return [rid - base for rid in ids]
 
     def index(self, ids: Sequence[int]) -> Sequence[int] | np.ndarray:
         """Column positions of ``ids``: a range for a range (one slice), a list for a few, else
