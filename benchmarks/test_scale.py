@@ -8,9 +8,9 @@ rows (the largest a put may be). For each N:
   ``rss_per_row_task``: the same once the registered task has read (its view of the rows exists);
 - ``put_s``: the wall time of the largest put (``min(N, 2**20)`` rows, one request, which the
   controller plans and commits in one step of its loop);
-- ``worst_wait_ms``: the longest put → get → ack of one row that another client, looping on
-  another partition, waited during that put (and ``alone_ms``, its median with nothing else going
-  on): how long one big request holds up everybody else;
+- ``worst_wait_ms``: the longest put → get → ack of one row that another client (in a process
+  of its own), looping on another partition, waited during that put (and ``alone_ms``, its
+  median with nothing else going on): how long one big request holds up everybody else;
 - ``first_get_ms`` (the timed figure): the first get of 64 rows by a task new to the partition;
 - ``clear_s``: ``clear_partition`` of the N rows.
 
@@ -20,9 +20,9 @@ for the controller), or through pytest-benchmark (``-k scale``; quick mode: 1e5 
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,28 +44,56 @@ def rss(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-class Prober(threading.Thread):
-    """Another client's put → get → ack of one row, in a loop, each timed."""
+def _probe(address: str, pipe: Any) -> None:
+    """Another client, in a process of its own: a put → get → ack of one row, in a loop, each
+    timed (start, seconds) until the parent says stop; first the median of 50 with nothing else
+    going on."""
+    import tqstream
+
+    client = tqstream.connect(address)
+    client.create_partition("probe", ["y"], tasks=["t"])
+    row = {"y": torch.zeros(1, 4)}
+
+    def once() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        client.put(row, "probe")
+        client.get("probe", ["y"], 1, "t", timeout=600).ack()
+        return time.time(), time.perf_counter() - t0
+
+    pipe.send(statistics.median(once()[1] for _ in range(50)))
+    pipe.recv()
+    times = []
+    while not pipe.poll():
+        times.append(once())
+    pipe.recv()
+    pipe.send(times)
+    client.close()
+
+
+class Prober:
+    """The other client's process (:func:`_probe`): ``alone``, then the rounds that overlapped a
+    span of time."""
 
     def __init__(self, address: str) -> None:
-        super().__init__(name="scale-prober", daemon=True)
-        import tqstream
+        ctx = multiprocessing.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_probe, args=(address, child), daemon=True)
+        self.proc.start()
+        self.alone: float = self.pipe.recv()
 
-        self.client = tqstream.connect(address)
-        self.client.create_partition("probe", ["y"], tasks=["t"])
-        self.times: list[float] = []
-        self.stop = threading.Event()
-        self.row = {"y": torch.zeros(1, 4)}
+    def start(self) -> None:
+        self.pipe.send("go")
 
-    def once(self) -> float:
-        t0 = time.perf_counter()
-        self.client.put(self.row, "probe")
-        self.client.get("probe", ["y"], 1, "t", timeout=600).ack()
-        return time.perf_counter() - t0
+    def stop(self, since: float) -> list[float]:
+        """The rounds that ended after wall time ``since``."""
+        self.pipe.send("stop")
+        times = self.pipe.recv()
+        self.proc.join(30)
+        return [t for end, t in times if end >= since]
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.times.append(self.once())
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def measure(held: int) -> dict[str, Any]:
@@ -76,26 +104,24 @@ def measure(held: int) -> dict[str, Any]:
         client = tqstream.connect(cluster.address)
         prober = Prober(cluster.address)
         try:
-            alone = statistics.median(prober.once() for _ in range(50))
             client.create_partition("big", ["x"], tasks=["t"])
             before = rss(pid)
             sizes = [MAX_PUT] * (held // MAX_PUT) + ([held % MAX_PUT] if held % MAX_PUT else [])
             largest = max(sizes)
-            put_s = 0.0
+            put_s, waits = 0.0, []
             for i, n in enumerate(sorted(sizes)):  # the largest last, with the prober running
                 data = {"x": torch.zeros(n, 1, dtype=torch.int8)}
                 last = i == len(sizes) - 1
                 if last:
                     prober.start()
                     time.sleep(0.5)
-                    prober.times.clear()
+                    since = time.time()
                 t0 = time.perf_counter()
                 client.put(data, "big")
                 if last:
                     put_s = time.perf_counter() - t0
                     time.sleep(0.2)
-                    prober.stop.set()
-                    prober.join()
+                    waits = prober.stop(since)
             after = rss(pid)
             client.get("big", ["x"], 64, "t", timeout=600).ack()  # the task's view is built
             with_task = rss(pid)
@@ -111,14 +137,13 @@ def measure(held: int) -> dict[str, Any]:
                 "rss_per_row_task": (with_task - before) / held,
                 "put_rows": largest,
                 "put_s": put_s,
-                "worst_wait_ms": max(prober.times) * 1e3,
-                "alone_ms": alone * 1e3,
+                "worst_wait_ms": max(waits) * 1e3,
+                "alone_ms": prober.alone * 1e3,
                 "first_get_ms": first_get * 1e3,
                 "clear_s": clear_s,
             }
         finally:
-            prober.stop.set()
-            prober.client.close()
+            prober.close()
             client.close()
 
 

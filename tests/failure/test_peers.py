@@ -53,7 +53,7 @@ async def _prepare_and_store_without_commit(
                 rid=0,
                 partition=partition,
                 chunk=seg.chunk,
-                row_ids=plan.row_ids[seg.start : seg.stop],
+                row_ids=list(plan.rows()[seg.start : seg.stop]),
                 columns=[ref],
             ),
             bufs,
@@ -124,7 +124,8 @@ def _rolled_back_within(
 @pytest.mark.parametrize(
     "config",
     [
-        tqstream.ClientConfig(direct_put_bytes=0),  # placed: a Store of 2**19 row ids
+        # placed: a Store of 2 MiB in a frame (its 2**19 rows travel as a run, a few bytes)
+        tqstream.ClientConfig(direct_put_bytes=0, shared_memory="off"),
         tqstream.ClientConfig(shared_memory="off"),  # one PutRows of 2 MiB in a frame
     ],
     ids=["placed", "direct"],

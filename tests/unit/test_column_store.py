@@ -22,6 +22,7 @@ from tqstream.errors import (
 )
 from tqstream.protocol.columns import Column
 from tqstream.protocol.wire import column_from_wire, column_to_wire
+from tqstream.storage import rowmap
 from tqstream.storage.columns import ColumnStore
 
 
@@ -357,6 +358,40 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+class SpanStoreMachine(StoreMachine):
+    """The same with consecutive rows passed as ranges, so that the index keeps every run of two
+    rows or more as one span (a put's rows, a run of new fields), and runs put below rows already
+    held (into gaps left by earlier puts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.span_min, rowmap.SPAN_MIN = rowmap.SPAN_MIN, 1
+        self.gaps: list[range] = []
+
+    def teardown(self) -> None:
+        rowmap.SPAN_MIN = self.span_min
+
+    def _add(self, partition: str, rows, fields: str) -> None:
+        if len(rows) > 1 and list(rows) == list(range(rows[0], rows[-1] + 1)):
+            rows = range(rows[0], rows[-1] + 1)
+        super()._add(partition, rows, fields)
+
+    @rule(partition=st.sampled_from("ab"), n=st.integers(2, 6), gap=st.integers(2, 6))
+    def put_after_a_gap(self, partition, n, gap):
+        self.gaps.append(range(self.next_row, self.next_row + gap))
+        self.next_row += gap
+        self.put(partition, n, "dro")
+
+    @precondition(lambda self: self.gaps)
+    @rule(partition=st.sampled_from("ab"))
+    def fill_a_gap(self, partition):
+        self._add(partition, self.gaps.pop(), "dro")
+
+
+TestSpanStoreMachine = SpanStoreMachine.TestCase
+TestSpanStoreMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
 
 def test_reset_drops_older_chunks_and_refuses_them_later(store):

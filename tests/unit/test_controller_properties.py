@@ -536,11 +536,15 @@ class ControllerMachine(RuleBasedStateMachine):
             stored, stored_effects = self.s.put_stored(req, unit, self.now)
             assert stored is not None
             segment = PlanSegment(unit=unit, chunk=stored.chunk, start=0, stop=n)
-            plan = PutPlan(rid=0, put_id=-stored.chunk, row_ids=stored.meta.row_ids,
+            meta = stored.meta if stored.meta is not None else stored.packed
+            assert meta is not None
+            ids = list(meta.row_ids) if isinstance(meta, BatchMeta) else meta.row_ids()
+            plan = PutPlan(rid=0, put_id=-stored.chunk, first_row=ids[0], n_rows=len(ids),
                            segments=[segment])  # fmt: skip
+            assert list(ids) == list(plan.rows())
         if part is None:
             part = self.parts[name] = MPart(name, next(self.incs))
-        assert len(plan.row_ids) == n and not set(plan.row_ids) & set(part.rows)
+        assert len(plan.rows()) == n and not set(plan.rows()) & set(part.rows)
         assert plan.segments[0].start == 0 and plan.segments[-1].stop == n
         for a, b in itertools.pairwise(plan.segments):
             assert a.stop == b.start
@@ -551,7 +555,7 @@ class ControllerMachine(RuleBasedStateMachine):
             chunks.setdefault(seg.unit, []).append(seg.chunk)
             for i in range(seg.start, seg.stop):
                 unit_of[i] = seg.unit
-        for i, rid in enumerate(plan.row_ids):
+        for i, rid in enumerate(plan.rows()):
             group = groups[i] if groups is not None else None
             r = MRow(rid, keys[i] if keys is not None else None, group, unit_of[i], per_row)
             part.rows[rid] = r
@@ -568,8 +572,8 @@ class ControllerMachine(RuleBasedStateMachine):
             plan.put_id,
             name,
             part.inc,
-            list(plan.row_ids),
-            {rid: part.rows[rid].unit for rid in plan.row_ids},
+            list(plan.rows()),
+            {rid: part.rows[rid].unit for rid in plan.rows()},
             list(schemas),
             True,
             per_row,

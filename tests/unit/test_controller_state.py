@@ -149,10 +149,10 @@ def test_prepared_rows_are_invisible_until_commit() -> None:
         s.get_by_keys("p", ["x"], None)
     assert get(s, handle="h") is None  # parked
     meta, effects = s.commit(plan.put_id, 1.0)
-    assert meta is not None and meta.keys == ["x", "y", "z"] and meta.row_ids == plan.row_ids
+    assert meta is not None and meta.keys == ["x", "y", "z"] and meta.row_ids == list(plan.rows())
     assert s.list_keys("p") == ["x", "y", "z"]
     assert [h for h, _ in effects.served] == ["h"]
-    assert effects.served[0][1].row_ids == [plan.row_ids[0]]
+    assert effects.served[0][1].row_ids == [plan.rows()[0]]
     assert s.stats("p")["p"].pending_puts == 0
 
 
@@ -527,7 +527,7 @@ def test_put_fields_errors() -> None:
     pending = prepare(s, 1)
     before = snapshot(s)
     with pytest.raises(UnknownRowError) as err:
-        put_fields(s, [meta.row_ids[0], 99, pending.row_ids[0]])
+        put_fields(s, [meta.row_ids[0], 99, pending.rows()[0]])
     assert str(err.value) == (
         "2 of 3 rows no longer exist in partition 'p' (cleared since the metadata was obtained)"
     )
@@ -937,7 +937,7 @@ def test_clear_samples_removes_rows_for_every_task() -> None:
 def test_clear_samples_ignores_pending_rows() -> None:
     s = new_state()
     plan = prepare(s, 2)
-    effects = s.clear_samples("p", plan.row_ids)
+    effects = s.clear_samples("p", list(plan.rows()))
     assert not effects.drop_rows
     meta, _ = s.commit(plan.put_id, 0.0)
     assert meta is not None and s.stats("p")["p"].rows == 2

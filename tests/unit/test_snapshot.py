@@ -147,7 +147,7 @@ def test_ids_continue_past_the_checkpoint() -> None:
     back = restored(snap)
     old_leases = list(s.leases)
     plan = prepare(back, 2, ("a",))
-    assert min(plan.row_ids) >= s.partitions["p"].next_row
+    assert min(plan.rows()) >= s.partitions["p"].next_row
     assert min(seg.chunk for seg in plan.segments) >= snap.next_id  # every saved one is below
     meta = get(back, ("a",), 1, "Z")
     assert meta.lease_id > max(old_leases)

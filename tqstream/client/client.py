@@ -294,7 +294,7 @@ class Client:
         them has now; nothing is written on error."""
         if data is None:
             return self._sync(ClientCore.call, upsert_message(partition, keys, tags, create),
-                              MetaReply).meta  # fmt: skip
+                              MetaReply).batch()  # fmt: skip
         names, columns = keyed_columns(keys, data)
         req = fields_request(
             partition, columns, keys=names, tags=tags, create=create, overwrite=overwrite,
@@ -316,7 +316,7 @@ class Client:
     ) -> BatchMeta:
         if data is None:
             msg = upsert_message(partition, keys, tags, create)
-            return (await self._async(ClientCore.call, msg, MetaReply)).meta
+            return (await self._async(ClientCore.call, msg, MetaReply)).batch()
         names, columns = keyed_columns(keys, data)
         req = fields_request(
             partition, columns, keys=names, tags=tags, create=create, overwrite=overwrite,

@@ -457,13 +457,13 @@ class ClientCore:
             jobs = []
             for seg in plan.segments:
                 part = {k: c.slice(seg.start, seg.stop) for k, c in columns.items()}
-                rows = plan.row_ids[seg.start : seg.stop]
+                rows = plan.rows()[seg.start : seg.stop]
                 for unit in (seg.unit, seg.replica):
                     if unit >= 0:
                         jobs.append(self._store(partition, unit, seg.chunk, rows, part))
             await _all(jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
-            meta: BatchMeta = reply.meta
+            meta = reply.batch()
             if req.rejected:
                 meta = msgspec.structs.replace(meta, rejected=req.rejected)
             return meta
@@ -515,7 +515,7 @@ class ClientCore:
                 shm.unlink(segment)
         if msg.shared:
             self._spares[unit] = list(reply.spare)
-        meta = reply.meta
+        meta = reply.batch()
         return msgspec.structs.replace(meta, rejected=req.rejected) if req.rejected else meta
 
     def _direct_unit(self) -> int:
@@ -556,7 +556,7 @@ class ClientCore:
                         )
             await _all(jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), (Ok, MetaReply))
-            return reply.meta if isinstance(reply, MetaReply) else None
+            return reply.batch() if isinstance(reply, MetaReply) else None
 
         return await self._committed(plan.put_id, store())
 
@@ -571,7 +571,7 @@ class ClientCore:
         partition: str,
         unit: int,
         chunk: int,
-        rows: list[int],
+        rows: Sequence[int],
         part: dict[str, Column],
         overwrite: bool = False,
     ) -> None:
@@ -579,8 +579,10 @@ class ClientCore:
         conn = await self._unit(unit)
         token = self._token(unit)
         refs, buffers = columns_to_wire(part)
-        msg = Store(rid=0, partition=partition, chunk=chunk, row_ids=rows, columns=refs,
-                    overwrite=overwrite, local=unit in self.hosted)  # fmt: skip
+        run = isinstance(rows, range) and len(rows) > 0
+        msg = Store(rid=0, partition=partition, chunk=chunk, columns=refs, overwrite=overwrite,
+                    local=unit in self.hosted, row_ids=[] if run else list(rows),
+                    first_row=rows[0] if run else 0, n_rows=len(rows) if run else 0)  # fmt: skip
         size = sum(memoryview(b).nbytes for b in buffers)
         if token and buffers and size >= self.config.shared_memory_min_bytes:
             spares = self._spares.setdefault(unit, [])
@@ -609,7 +611,7 @@ class ClientCore:
     async def get_meta(self, req: GetMeta) -> BatchMeta:
         timeout = None if req.timeout is None else req.timeout + GET_GRACE
         reply = await self._ask(req, MetaReply, timeout=timeout)
-        return reply.meta
+        return reply.batch()
 
     async def get(self, req: GetMeta) -> tuple[BatchMeta, dict[str, Column]]:
         """``get_meta`` and ``fetch`` in one go; if the fetch fails the lease is released (best
@@ -713,7 +715,7 @@ class ClientCore:
             row_ids=row_ids or [],
             missing_ok=missing_ok,
         )
-        return (await self._ask(msg, MetaReply)).meta
+        return (await self._ask(msg, MetaReply)).batch()
 
     async def list_keys(self, partition: str) -> list[str]:
         return (await self._ask(ListKeys(rid=0, partition=partition), KeysReply)).keys

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 from tqstream.controller.partition import Partition
 from tqstream.controller.records import Effects, Ids, LeaseTable
-from tqstream.controller.rows import Row
+from tqstream.controller.rows import SMALL, Row
 from tqstream.controller.units import UnitTable
 from tqstream.errors import InvalidRequestError, UnknownPartitionError, UnknownRowError
+from tqstream.protocol.messages import PackedMeta
 from tqstream.types import BatchMeta
 
 
@@ -162,6 +163,32 @@ class Catalog:
             dispatch_version=t.versions(t.vdisp, idx),
             replicas=replicas if max(replicas, default=-1) >= 0 else [],
             tags=tags if any(tags) else [],
+        )
+
+    @staticmethod
+    def put_meta(p: Partition, ids: Sequence[int], fields: list[str]) -> BatchMeta | PackedMeta:
+        """A new put's rows: packed when there are many and they are plain (see PackedMeta)."""
+        t = p.rows
+        if not isinstance(ids, range) or len(ids) <= SMALL or not t.plain(ids):
+            return Catalog.meta(p, ids, fields)
+        idx = t.index(ids)
+        assert isinstance(idx, range)
+        versions = [t.uniform(col, idx) for col in (t.vstart, t.vend, t.vdisp)]
+        if not all(same for same, _ in versions):
+            return Catalog.meta(p, ids, fields)
+        replicas = t.runs(t.replica, idx)
+        return PackedMeta(
+            partition=p.name,
+            first=ids.start,
+            n=len(ids),
+            key_prefix=p.key_prefix,
+            units=t.runs(t.unit, idx),
+            replicas=[] if replicas == [-1, len(ids)] else replicas,
+            version_start=versions[0][1],
+            version_end=versions[1][1],
+            dispatch_version=versions[2][1],
+            fields=list(fields),
+            schemas={f: p.schemas[f] for f in fields if f in p.schemas},
         )
 
     def expire_ttl(self, owner: Partition, row_ids: list[int], effects: Effects) -> None:

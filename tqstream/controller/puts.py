@@ -37,6 +37,7 @@ from tqstream.errors import (
 )
 from tqstream.protocol.messages import (
     FieldsPlan,
+    PackedMeta,
     PlanSegment,
     PrepareFields,
     PreparePut,
@@ -181,7 +182,8 @@ class Puts:
             timed=pinned is None,  # a stored put commits at once: no put_timeout to watch
         )  # fmt: skip
         put.rejected = req.rejected  # an aborted put that is retried must not count them twice
-        return PutPlan(rid=req.rid, put_id=put.put_id, row_ids=list(ids), segments=segments)
+        return PutPlan(rid=req.rid, put_id=put.put_id, first_row=ids.start, n_rows=len(ids),
+                       segments=segments)  # fmt: skip
 
     def prepare_fields(self, req: PrepareFields, now: float, owner: Any = None) -> FieldsPlan:
         """Plan a put_fields: new columns (or, with ``overwrite``, new values) for committed rows,
@@ -379,7 +381,7 @@ class Puts:
             self.deadlines.add(now + self.put_timeout, "put", put.put_id)
         return put
 
-    def commit(self, put_id: int, now: float) -> tuple[BatchMeta | None, Effects]:
+    def commit(self, put_id: int, now: float) -> tuple[BatchMeta | PackedMeta | None, Effects]:
         put = self.book.get(put_id)
         if put is None:
             raise self.put_error(put_id)
@@ -428,9 +430,9 @@ class Puts:
                 if p.ttl is not None:
                     self.deadlines.add(now + p.ttl, "ttl", (p, [r.id for r in fresh]))
         effects.touched.add(put.partition)
-        meta = None
+        meta: BatchMeta | PackedMeta | None = None
         if put.new_rows:
-            meta = self.catalog.meta(p, put.ids, put.fields)
+            meta = self.catalog.put_meta(p, put.ids, put.fields)
         elif put.keyed:
             meta = self.catalog.meta(p, put.ids, p.common_fields(map(p.row, put.ids)))
         return meta, effects
@@ -451,7 +453,7 @@ class Puts:
             return None, Effects()
         meta, effects = self.commit(plan.put_id, now)
         assert meta is not None  # a new put's rows, committed in the same step
-        return StoredReply(rid=req.rid, chunk=plan.segments[0].chunk, meta=meta), effects
+        return StoredReply.of(req.rid, plan.segments[0].chunk, meta), effects
 
     def put_error(self, put_id: int) -> TQStreamError:
         status = self.book.status(put_id)

@@ -130,19 +130,20 @@ class Rows:
             self._pad(n, None)
 
     def _pad(self, n: int, version: int | None) -> None:
+        zeros = bytes(8 * n)
         if isinstance(self.written, array):
-            self.written.frombytes(bytes(8 * n))
+            self.written.frombytes(zeros)
         else:
             self.written.extend([0] * n)
         minus = array("h", [-1]) * n
         self.unit.extend(minus)
         self.replica.extend(minus)
-        self.nbytes.frombytes(bytes(8 * n))
+        self.nbytes.frombytes(zeros)
+        self.seq.frombytes(zeros)
         vs = array("i", [NO_VERSION if version is None else version]) * n
         self.vstart.extend(vs)
         self.vend.extend(vs)
         self.vdisp.extend(vs)
-        self.seq.frombytes(bytes(8 * n))
         self.group.extend(array("i", [-1]) * n)
 
     def widen(self) -> None:
@@ -279,6 +280,36 @@ class Rows:
                 return np.frombuffer(col, _DTYPES[col.typecode])[idx].tolist()  # type: ignore[no-any-return]
             return [col[i] for i in idx.tolist()]
         return [col[i] for i in idx]
+
+    def runs(self, col: array, idx: range) -> list[int]:
+        """``col`` over positions ``idx`` as runs: value, count, value, count, ..."""
+        part = np.frombuffer(col, _DTYPES[col.typecode])[idx.start : idx.stop]
+        if not len(part):
+            return []
+        starts = np.flatnonzero(np.diff(part)) + 1
+        bounds = np.concatenate(([0], starts, [len(part)]))
+        out = np.empty(2 * (len(bounds) - 1), np.int64)
+        out[0::2], out[1::2] = part[bounds[:-1]], np.diff(bounds)
+        return out.tolist()  # type: ignore[no-any-return]
+
+    def uniform(self, col: array, idx: range) -> tuple[bool, int | None]:
+        """Whether the version column ``col`` holds one value over positions ``idx``, and it."""
+        part = np.frombuffer(col, np.int32)[idx.start : idx.stop]
+        v = int(part[0])
+        if not (part == v).all():
+            return False, None
+        return True, None if v == NO_VERSION else v
+
+    def plain(self, ids: range) -> bool:
+        """Rows ``ids`` have generated keys, no tags and no group."""
+        for rare in (self.named, self.tags):
+            if rare and (len(rare) > len(ids) or any(rid in ids for rid in rare)):
+                return False
+        if self.group_names:
+            b = self.base
+            group = np.frombuffer(self.group, np.int32)[ids.start - b : ids.stop - b]
+            return bool((group < 0).all())
+        return True
 
     def committed_ids(self, ids: Sequence[int]) -> list[int]:
         """Those of ``ids`` that are committed rows, in order."""

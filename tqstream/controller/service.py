@@ -239,11 +239,11 @@ class ControllerService:
                 case PrepareFields():
                     return s.prepare_fields(msg, now, responder.peer)
                 case CommitPut():
-                    meta, effects = s.commit(msg.put_id, now)
+                    done, effects = s.commit(msg.put_id, now)
                     orders = self._apply(effects)
                     if s.puts.status(msg.put_id) == "cleared":
                         raise s.put_error(msg.put_id)
-                    reply = Ok(rid=msg.rid) if meta is None else MetaReply(rid=msg.rid, meta=meta)
+                    reply = Ok(rid=msg.rid) if done is None else MetaReply.of(msg.rid, done)
                     # an overwrite is seen by every reader once its units have published it
                     return self._after(orders, reply) if effects.publish else reply
                 case AbortPut():

@@ -55,6 +55,7 @@ from tqstream.protocol.messages import (
     BudgetReport,
     FieldsPlan,
     GetMeta,
+    PackedMeta,
     PrepareFields,
     PreparePut,
     PutPlan,
@@ -181,7 +182,7 @@ class ControllerState:
     def prepare_fields(self, req: PrepareFields, now: float, owner: Any = None) -> FieldsPlan:
         return self.writes.prepare_fields(req, now, owner)
 
-    def commit(self, put_id: int, now: float) -> tuple[BatchMeta | None, Effects]:
+    def commit(self, put_id: int, now: float) -> tuple[BatchMeta | PackedMeta | None, Effects]:
         meta, effects = self.writes.commit(put_id, now)
         return meta, self.settle(effects, now)
 

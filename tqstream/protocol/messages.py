@@ -9,6 +9,7 @@ anything else; the version is checked at the ``Hello`` handshake.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -315,7 +316,7 @@ class GetStats(_Msg, frozen=True, tag="get_stats"):
 class Store(_Msg, frozen=True, tag="store"):
     partition: str
     chunk: Id
-    row_ids: Ids
+    row_ids: Ids  # the chunk's rows; [] when they are the run first_row .. + n_rows - 1
     columns: list[ColumnRef]
     shared: list[Region] = []  # frames 1..n are in shared memory instead of attached
     reused: str = ""  # the spare segment the client claimed (renamed) for this chunk
@@ -323,6 +324,11 @@ class Store(_Msg, frozen=True, tag="store"):
     # controller sends once the write committed (a put_fields that may overwrite)
     overwrite: bool = False
     local: bool = False  # the writer is on the unit's host (counted in UnitStats.local_bytes)
+    first_row: Id = 0
+    n_rows: Rows = 0
+
+    def rows(self) -> Sequence[int]:
+        return self.row_ids or range(self.first_row, self.first_row + self.n_rows)
 
 
 class Fetch(_Msg, frozen=True, tag="fetch"):
@@ -542,17 +548,76 @@ class Registered(_Msg, frozen=True, tag="registered"):
 
 
 class PutPlan(_Msg, frozen=True, tag="put_plan"):
+    """A put's placement: its rows are ``first_row .. first_row + n_rows - 1``; ``segments``."""
+
     put_id: int
-    row_ids: list[int]
+    first_row: int
+    n_rows: int
     segments: list[PlanSegment]
+
+    def rows(self) -> range:
+        return range(self.first_row, self.first_row + self.n_rows)
+
+
+class PackedMeta(msgspec.Struct, frozen=True, array_like=True):
+    """A put's metadata as it travels when its rows are plain (consecutive ids, generated keys,
+    no group, no tags, one version range), in O(units) bytes rather than O(rows): the controller
+    builds no key per row and encodes no per-row lists, a relaying storage unit reads the ids as
+    one range, and the client expands it (:meth:`expand`) into the ``BatchMeta`` a put returns."""
+
+    partition: str
+    first: int  # the row ids are first .. first + n - 1
+    n: int
+    key_prefix: str  # each row's key: key_prefix + its row id
+    units: list[int]  # runs: unit, count, unit, count, ...
+    replicas: list[int]  # runs like units; [] when no row has a second copy
+    version_start: int | None
+    version_end: int | None
+    dispatch_version: int | None
+    fields: list[str]
+    schemas: dict[str, FieldSchema]
+
+    def row_ids(self) -> range:
+        return range(self.first, self.first + self.n)
+
+    def expand(self) -> BatchMeta:
+        ids = list(self.row_ids())
+        prefix, n = self.key_prefix, self.n
+        return BatchMeta(
+            partition=self.partition,
+            row_ids=ids,
+            keys=[f"{prefix}{rid}" for rid in ids],
+            units=_unrun(self.units),
+            groups=[None] * n,
+            version_start=[self.version_start] * n,
+            version_end=[self.version_end] * n,
+            fields=self.fields,
+            schemas=self.schemas,
+            dispatch_version=[self.dispatch_version] * n,
+            replicas=_unrun(self.replicas),
+        )
+
+
+def _unrun(runs: list[int]) -> list[int]:
+    out: list[int] = []
+    for i in range(0, len(runs), 2):
+        out += [runs[i]] * runs[i + 1]
+    return out
 
 
 class StoredReply(_Msg, frozen=True, tag="stored"):
-    """One put of a ``PutStored``, committed: its rows, and the chunk id under which the unit
-    indexes them."""
+    """One put of a ``PutStored``, committed: its rows (``meta``, or ``packed`` when they are
+    plain), and the chunk id under which the unit indexes them."""
 
     chunk: int
-    meta: BatchMeta
+    meta: BatchMeta | None = None
+    packed: PackedMeta | None = None
+
+    @classmethod
+    def of(cls, rid: int, chunk: int, meta: BatchMeta | PackedMeta) -> StoredReply:
+        if isinstance(meta, PackedMeta):
+            return cls(rid=rid, chunk=chunk, packed=meta)
+        return cls(rid=rid, chunk=chunk, meta=meta)
 
 
 class ErrorReply(_Msg, frozen=True, tag="error"):
@@ -586,8 +651,24 @@ class FieldsPlan(_Msg, frozen=True, tag="fields_plan"):
 
 
 class MetaReply(_Msg, frozen=True, tag="meta"):
-    meta: BatchMeta
+    """Rows' metadata: ``meta``, or for a put of plain rows ``packed`` (read :meth:`batch`)."""
+
+    meta: BatchMeta | None = None
     spare: list[Spare] = []  # a storage unit's answer to a shared PutRows: segments to reuse
+    packed: PackedMeta | None = None
+
+    @classmethod
+    def of(cls, rid: int, meta: BatchMeta | PackedMeta) -> MetaReply:
+        if isinstance(meta, PackedMeta):
+            return cls(rid=rid, packed=meta)
+        return cls(rid=rid, meta=meta)
+
+    def batch(self) -> BatchMeta:
+        if self.meta is not None:
+            return self.meta
+        if self.packed is None:
+            raise msgspec.ValidationError("a meta reply carries neither meta nor packed")
+        return self.packed.expand()
 
 
 class KeysReply(_Msg, frozen=True, tag="keys"):
@@ -660,15 +741,23 @@ Reply = (
 )
 
 
+NIL = b"\xc0"
+"""msgpack's nil: a ``Raw`` field the sender left out."""
+
+
 class StoredRelay(_Msg, frozen=True, tag="stored"):
     """A ``StoredReply`` as the storage unit that relays it decodes it: the rows' metadata stays
     the encoded bytes the controller sent (the unit passes them on to the client in its
     ``MetaReply`` without decoding or encoding 10⁶ keys); ``row_ids`` reads just the rows."""
 
     chunk: int
-    meta: msgspec.Raw
+    meta: msgspec.Raw = msgspec.Raw(NIL)
+    packed: msgspec.Raw = msgspec.Raw(NIL)
 
-    def row_ids(self) -> list[int]:
+    def row_ids(self) -> Sequence[int]:
+        if bytes(self.packed) != NIL:
+            ids = _packed_ids_decoder.decode(self.packed)
+            return range(ids.first, ids.first + ids.n)
         return _row_ids_decoder.decode(self.meta).row_ids
 
 
@@ -678,6 +767,14 @@ class StoredRelays(_Msg, frozen=True, tag="stored_results"):
 
 class _RowIds(msgspec.Struct):
     row_ids: list[int]
+
+
+class _PackedIds(msgspec.Struct, array_like=True):
+    """The leading fields of a :class:`PackedMeta` (the others are skipped)."""
+
+    partition: str
+    first: int
+    n: int
 
 
 UnitReply = (
@@ -700,6 +797,7 @@ _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _unit_reply_decoder = msgspec.msgpack.Decoder(UnitReply)
 _row_ids_decoder = msgspec.msgpack.Decoder(_RowIds)
+_packed_ids_decoder = msgspec.msgpack.Decoder(_PackedIds)
 
 
 def encode(msg: msgspec.Struct) -> bytes:

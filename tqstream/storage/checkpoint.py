@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from tqstream.errors import CheckpointError, TQStreamError
 from tqstream.protocol.columns import Column
@@ -53,7 +53,7 @@ class _Capture:
         return chunk < self.before and chunk not in self.skip
 
     def landed(
-        self, partition: str, chunk: int, row_ids: list[int], columns: dict[str, Column]
+        self, partition: str, chunk: int, row_ids: Sequence[int], columns: dict[str, Column]
     ) -> None:
         awaited = self.awaited.get(partition)
         if not awaited or not self.keep(chunk):
@@ -82,7 +82,7 @@ class UnitCheckpoints:
         self._captures: set[_Capture] = set()
 
     def landed(
-        self, partition: str, chunk: int, row_ids: list[int], columns: dict[str, Column]
+        self, partition: str, chunk: int, row_ids: Sequence[int], columns: dict[str, Column]
     ) -> None:
         """A direct put's columns reached the unit (call before applying drops noted on it)."""
         for capture in self._captures:

@@ -27,6 +27,7 @@ from tqstream.errors import (
     UnknownRowError,
 )
 from tqstream.protocol.columns import Column, torch_dtype
+from tqstream.storage.rowmap import RowMap, RunPositions, positions
 from tqstream.types import FieldSchema
 
 __all__ = ["ColumnStore"]
@@ -48,7 +49,7 @@ class _Chunk:
         self.partition = partition
         self.columns = columns
         self.nbytes = sum(col.nbytes for col in columns.values())
-        self.positions = dict(zip(row_ids, range(len(row_ids)), strict=True))  # live rows only
+        self.positions = positions(row_ids)  # row -> its position here, live rows only
         # (field, row) this chunk replaces once published (an overwrite not yet committed)
         self.staged: list[tuple[str, int]] = []
 
@@ -58,18 +59,23 @@ class _Partition:
 
     def __init__(self) -> None:
         self.chunks: dict[int, _Chunk] = {}
-        self.fields: dict[str, dict[int, _Chunk]] = {}  # field -> row -> the chunk holding it
+        self.fields: dict[str, RowMap[_Chunk]] = {}  # field -> row -> the chunk holding it
         # row -> every chunk holding one of its fields: the chunk itself while it is one (a put's
-        # rows: one dict entry, no list), a list once a row has several
-        self.rows: dict[int, _Chunk | list[_Chunk]] = {}
+        # rows: one entry, no list; a run of them one span), a list once a row has several
+        self.rows: RowMap[_Chunk | list[_Chunk]] = RowMap()
         self.schemas: dict[str, FieldSchema] = {}  # of fields with live rows
+
+
+def _holder(part: _Partition, name: str, row: int) -> _Chunk | None:
+    held = part.fields.get(name)
+    return None if held is None else held.get(row)
 
 
 def _listed(held: _Chunk | list[_Chunk]) -> list[_Chunk]:
     return held if isinstance(held, list) else [held]
 
 
-def _detach(rows: dict[int, _Chunk | list[_Chunk]], row: int, chunk: _Chunk) -> None:
+def _detach(rows: RowMap[_Chunk | list[_Chunk]], row: int, chunk: _Chunk) -> None:
     """``chunk`` no longer holds a field of ``row``; the row is forgotten when none does."""
     held = rows[row]
     if held is chunk:
@@ -163,7 +169,7 @@ class ColumnStore:
                 "needs at least one row and one field",
                 chunk=chunk_id,
             )
-        if len(set(row_ids)) != n:
+        if not isinstance(row_ids, range) and len(set(row_ids)) != n:
             dups = [row for row, count in Counter(row_ids).items() if count > 1]
             raise InvalidRequestError(
                 f"{where} lists row ids more than once ({_some(dups)}); "
@@ -188,8 +194,8 @@ class ColumnStore:
                     f"{col.schema.describe()}; write the field with its existing schema",
                     field=name,
                 )
-            held = part.fields.get(name, {})
-            if not overwrite and held and not held.keys().isdisjoint(row_ids):
+            held = part.fields.get(name)
+            if not overwrite and held and not held.disjoint(row_ids):
                 clash = [r for r in row_ids if r in held]
                 raise FieldExistsError(
                     f"{where}: field {name!r} is already stored for {len(clash)} of its {n} rows "
@@ -202,15 +208,19 @@ class ColumnStore:
         chunk = _Chunk(chunk_id, partition, row_ids, dict(columns))
         for name, col in columns.items():
             part.schemas[name] = col.schema
-            held = part.fields.setdefault(name, {})
-            if overwrite and not held.keys().isdisjoint(row_ids):
+            held = part.fields.get(name)
+            if held is None:
+                held = part.fields[name] = RowMap()
+            if overwrite and not held.disjoint(row_ids):
                 chunk.staged += [(name, row) for row in row_ids if row in held]
-                held.update((row, chunk) for row in row_ids if row not in held)
+                for row in row_ids:
+                    if row not in held:
+                        held[row] = chunk
             else:
-                held.update(dict.fromkeys(row_ids, chunk))
+                held.set_run(row_ids, chunk)
         rows = part.rows
-        if rows.keys().isdisjoint(row_ids):  # new rows (a put), not fields added to old ones
-            rows.update(dict.fromkeys(row_ids, chunk))
+        if rows.disjoint(row_ids):  # new rows (a put), not fields added to old ones
+            rows.set_run(row_ids, chunk)
         else:
             for row in row_ids:
                 have = rows.get(row)
@@ -238,7 +248,7 @@ class ColumnStore:
                 continue  # the row was dropped since
             held = part.fields.get(name)
             if held is None:  # the old values' chunks were dropped since, and the field with them
-                held = part.fields[name] = {}
+                held = part.fields[name] = RowMap()
                 part.schemas[name] = chunk.columns[name].schema
             old = held.get(row)
             held[row] = chunk
@@ -254,8 +264,7 @@ class ColumnStore:
         gone = [
             r
             for r in dict.fromkeys(rows)
-            if r in chunk.positions
-            and all(part.fields.get(f, {}).get(r) is not chunk for f in chunk.columns)
+            if r in chunk.positions and all(_holder(part, f, r) is not chunk for f in chunk.columns)
         ]
         if not gone:
             return
@@ -280,7 +289,7 @@ class ColumnStore:
             held = part.fields.get(name) if part is not None else None
             if not held:
                 raise self._unknown(partition, name, list(row_ids), len(row_ids))
-            chunks = [held.get(r) for r in row_ids]
+            chunks = held.get_many(row_ids)
             plan = next((p for c, p in plans if c == chunks), None)
             if plan is None:
                 if None in chunks:
@@ -295,8 +304,9 @@ class ColumnStore:
     def missing(self, partition: str, row_ids: Iterable[int]) -> list[int]:
         """The rows of ``row_ids`` of which no field is held."""
         part = self._partitions.get(partition)
-        held = part.rows if part is not None else {}
-        return [row for row in row_ids if row not in held]
+        if part is None:
+            return list(row_ids)
+        return [row for row in row_ids if row not in part.rows]
 
     def chunks_of(
         self, partition: str, row_ids: Iterable[int], keep: Callable[[int], bool]
@@ -352,10 +362,13 @@ class ColumnStore:
                 self._on_release(chunk_id, False)
                 continue
             part = self._partitions[chunk.partition]
-            rows = list(chunk.positions)
-            self._unindex(part, chunk, rows)
-            for row in rows:
-                _detach(part.rows, row, chunk)
+            if isinstance(chunk.positions, RunPositions):
+                self._unindex_run(part, chunk, chunk.positions)
+            else:
+                rows = list(chunk.positions)
+                self._unindex(part, chunk, rows)
+                for row in rows:
+                    _detach(part.rows, row, chunk)
             self._release(part, chunk)
 
     def reset(self, before_chunk: int) -> None:
@@ -398,6 +411,24 @@ class ColumnStore:
                     del held[row]
             if not held:  # no live row has the field: forget its schema
                 del part.fields[name], part.schemas[name]
+
+    def _unindex_run(self, part: _Partition, chunk: _Chunk, run: RunPositions) -> None:
+        """Forget every row of a chunk whose rows are a run, span by span (the chunk goes)."""
+        for name in chunk.columns:
+            held = part.fields.get(name)
+            if held is None:
+                continue
+            apart = held.remove_span(run.first, chunk)
+            for row in list(run) if apart is None else apart:
+                if row in run and held.get(row) is chunk:
+                    del held[row]
+            if not held:
+                del part.fields[name], part.schemas[name]
+        apart = part.rows.remove_span(run.first, chunk)
+        for row in list(run) if apart is None else apart:
+            if row in run:
+                _detach(part.rows, row, chunk)
+        run.clear()
 
     def _release(self, part: _Partition, chunk: _Chunk) -> None:
         del self._chunks[chunk.id], part.chunks[chunk.id]

@@ -218,9 +218,9 @@ class StorageService:
     def _store(self, msg: Store, frames: list[Any]) -> Ok:
         if not msg.shared:
             columns = {ref.name: column_from_wire(ref, frames) for ref in msg.columns}
-            self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns, msg.overwrite)
+            self.store.add_chunk(msg.partition, msg.chunk, msg.rows(), columns, msg.overwrite)
             self._count(columns, msg.local)
-            return Ok(rid=msg.rid, count=len(msg.row_ids))
+            return Ok(rid=msg.rid, count=len(msg.rows()))
         if self.segments is None:
             raise InvalidRequestError(
                 "this storage unit has no shared memory; send the tensors as frames",
@@ -232,13 +232,13 @@ class StorageService:
             self.store.check_arrival(msg.partition, msg.chunk)  # before the segment's name is used
             views = [frames[0], *self.segments.adopt(msg.chunk, msg.shared)]
             columns = {ref.name: column_from_wire(ref, views) for ref in msg.columns}
-            self.store.add_chunk(msg.partition, msg.chunk, msg.row_ids, columns, msg.overwrite)
+            self.store.add_chunk(msg.partition, msg.chunk, msg.rows(), columns, msg.overwrite)
         except BaseException:
             if not self.store.holds(msg.chunk):  # nothing stored: leave no orphan segment either
                 self.segments.release(msg.chunk)
             raise
         self._count(columns, msg.local)
-        return Ok(rid=msg.rid, count=len(msg.row_ids), spare=self.segments.spares())
+        return Ok(rid=msg.rid, count=len(msg.rows()), spare=self.segments.spares())
 
     def _count(self, columns: Mapping[str, Column], local: bool) -> None:
         """Bytes stored, by where their writer was (``UnitStats.local_bytes``)."""
@@ -337,10 +337,12 @@ class StorageService:
                 self._count(columns, landing.local)
                 if landing.drops:
                     self.store.drop_rows(partition, landing.drops.intersection(rows))
-            meta: Any = reply.meta  # the controller's encoded BatchMeta, passed on as it came
+            # the controller's encoded metadata, passed on as it came
+            meta: Any = reply.meta
+            packed: Any = reply.packed
             if landing.segment and self.segments is not None:
-                return MetaReply(rid=rid, meta=meta, spare=self.segments.spares())
-            return MetaReply(rid=rid, meta=meta)
+                return MetaReply(rid=rid, meta=meta, spare=self.segments.spares(), packed=packed)
+            return MetaReply(rid=rid, meta=meta, packed=packed)
         finally:
             if segment:  # nothing was stored: the segment goes back to the spares
                 self.segments.untake(segment)  # type: ignore[union-attr]
