@@ -16,6 +16,9 @@ OPS = st.lists(
         st.tuples(st.just("set"), ROWS, st.integers(0, 3)),
         st.tuples(st.just("pop"), ROWS),
         st.tuples(st.just("del"), ROWS),
+        st.tuples(st.just("pop_many"), st.lists(ROWS, max_size=6, unique=True)),
+        st.tuples(st.just("drop_if"), st.lists(ROWS, max_size=6), st.integers(0, 3)),
+        st.tuples(st.just("set_many"), st.lists(ROWS, max_size=6), st.integers(0, 3)),
     ),
     max_size=60,
 )
@@ -42,6 +45,16 @@ def test_a_row_map_is_a_dict(ops):
                 model[row] = v
             case ("pop", row):
                 assert m.pop(row, "none") == model.pop(row, "none")
+            case ("pop_many", rows):
+                assert m.pop_many(rows) == [model.pop(r, None) for r in rows]
+            case ("drop_if", rows, v):
+                m.drop_if(rows, v)
+                for r in rows:
+                    if model.get(r) == v:
+                        del model[r]
+            case ("set_many", rows, v):
+                m.set_run(rows, v)
+                model.update(dict.fromkeys(rows, v))
             case ("del", row):
                 if row in model:
                     del m[row]

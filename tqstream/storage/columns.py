@@ -338,13 +338,16 @@ class ColumnStore:
             return 0
         dropped = 0
         by_chunk: dict[_Chunk, list[int]] = {}
-        for row in dict.fromkeys(row_ids):
-            held = part.rows.pop(row, None)
+        rows = list(dict.fromkeys(row_ids))
+        for row, held in zip(rows, part.rows.pop_many(rows), strict=True):
             if held is None:
                 continue
             dropped += 1
-            for chunk in _listed(held):
-                by_chunk.setdefault(chunk, []).append(row)
+            if isinstance(held, list):
+                for chunk in held:
+                    by_chunk.setdefault(chunk, []).append(row)
+            else:
+                by_chunk.setdefault(held, []).append(row)
         for chunk, rows in by_chunk.items():
             self._unindex(part, chunk, rows)
             if not chunk.positions:
@@ -400,15 +403,16 @@ class ColumnStore:
     # --- internals --------------------------------------------------------------------------------
     def _unindex(self, part: _Partition, chunk: _Chunk, rows: list[int]) -> None:
         positions = chunk.positions
-        for row in rows:
-            del positions[row]
+        if isinstance(positions, RunPositions):
+            positions.discard_many(rows)
+        else:
+            for row in rows:
+                del positions[row]
         for name in chunk.columns:
             held = part.fields.get(name)
             if held is None:
                 continue
-            for row in rows:
-                if held.get(row) is chunk:  # a later (published) chunk may hold the field now
-                    del held[row]
+            held.drop_if(rows, chunk)  # a later (published) chunk may hold the field now
             if not held:  # no live row has the field: forget its schema
                 del part.fields[name], part.schemas[name]
 
