@@ -4,6 +4,7 @@ what is lost is counted, and that the storage bytes come back to zero."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -344,6 +345,62 @@ def test_with_two_replicas_a_killed_unit_loses_nothing(row_floats: int) -> None:
         p = c.stats("p").partitions["p"]
         assert p.lost == 0 and p.replicas == 2
         _until(lambda: c.stats().storage_bytes == 0, 5.0)  # both copies freed
+
+
+def test_a_put_of_two_copies_goes_to_both_units_in_one_exchange(monkeypatch) -> None:
+    """Small puts to a partition of two copies go to two units at once (no placement by the
+    controller: prepare, store, commit), sync and concurrent async ones alike."""
+    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["id"], tasks=["t"], replicas=2)
+
+        async def placed(*args: object) -> None:
+            raise AssertionError("a small put of two copies was placed by the controller")
+
+        monkeypatch.setattr(c._core, "_put_placed", placed)
+        for i in range(8):
+            meta = c.put({"id": torch.arange(4 * i, 4 * i + 4)}, "p")
+            assert all(r >= 0 and r != u for r, u in zip(meta.replicas, meta.units, strict=True))
+
+        async def many() -> None:
+            await asyncio.gather(*(c.async_put({"id": torch.tensor([i])}, "p")
+                                   for i in range(32, 96)))  # fmt: skip
+
+        asyncio.run(many())
+        assert sum(u.rows for u in c.stats().units) == 2 * 96  # every row on both units
+        seen: list[int] = []
+        while len(seen) < 96:
+            batch = c.get("p", "id", 32, "t", timeout=5)
+            seen += batch.data["id"].tolist()
+            batch.ack()
+        assert sorted(seen) == list(range(96))
+        c.clear_partition("p")
+        _until(lambda: c.stats().storage_bytes == 0, 5.0)
+
+
+def test_a_unit_killed_amid_puts_of_two_copies_loses_nothing_and_stores_nothing_twice() -> None:
+    """A producer puts rows 0..N-1 one put at a time, each retried until it is made; a unit is
+    SIGKILLed halfway. Every row is read exactly once: a put that failed (its copy's unit gone
+    before the commit) stored nothing, one that was made is not made again, none is lost."""
+    n = 60
+    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["id"], tasks=["t"], replicas=2)
+        for i in range(n):
+            if i == n // 2:
+                cluster.procs[2].kill()
+            while True:
+                try:
+                    c.put({"id": torch.tensor([i, i])}, "p")
+                    break
+                except (tqstream.UnitLostError, tqstream.RequestTimeoutError):
+                    continue  # nothing was stored: put it again
+        seen: list[int] = []
+        while len(seen) < 2 * n:
+            batch = c.get("p", "id", 8, "t", timeout=10)
+            seen += batch.data["id"].tolist()
+            batch.ack()
+        assert sorted(seen) == sorted(list(range(n)) * 2)
+        assert c.stats("p").partitions["p"].lost == 0
+        assert c.stats("p").partitions["p"].tasks["t"].available == 0  # nothing more
 
 
 def test_fields_added_and_replaced_later_are_kept_twice_too() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -71,6 +72,7 @@ from tqstream.protocol.messages import (
     ListKeys,
     MetaReply,
     Ok,
+    Pair,
     PrepareFields,
     PreparePut,
     PutPlan,
@@ -188,6 +190,7 @@ class ClientCore:
         self._turn = random.randrange(1 << 16)  # the unit of the next direct put, modulo units
         self._skip: dict[int, float] = {}  # unit -> until when direct puts avoid it (unreachable)
         self._placed: set[str] = set()  # partitions whose puts the controller must place
+        self._paired: set[str] = set()  # partitions of two copies: one-exchange puts go in pairs
         self._coalescing: dict[Hashable, list[coalesce.Pending]] = {}  # puts about to be sent
         self._consuming: list[tuple[Ack | Release, asyncio.Future[int]]] | None = None  # acks
 
@@ -369,16 +372,61 @@ class ClientCore:
         return await self._put_placed(req, columns)
 
     async def _put_one(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
-        """A put in one exchange, or placed by the controller when its partition needs that (or
-        it grew to ``direct_put_bytes`` by coalescing)."""
+        """A put in one exchange (to two units for a partition of two copies), or placed by the
+        controller when it must be (a full unit; it grew to ``direct_put_bytes`` by coalescing;
+        fewer than two units for two copies)."""
         if req.partition not in self._placed and req.nbytes < self.config.direct_put_bytes:
             wait = None if req.timeout is None else req.timeout + GET_GRACE
             try:
+                if req.partition in self._paired:
+                    return await self._put_pair(req, columns, wait)
                 return await self._put_direct(req, columns, wait)
-            except PlacementRequiredError as exc:  # refused before anything was stored: place it
-                if not exc.details.get("full"):  # (a full unit: this put only; a partition of
-                    self._placed.add(req.partition)  # two copies: all of its puts)
+            except PlacementRequiredError as exc:  # refused before anything was stored
+                if exc.details.get("replicas") and req.partition not in self._paired:
+                    self._paired.add(req.partition)  # two copies: all of its puts go in pairs
+                    return await self._put_one(req, columns)
+                # else a full unit, or fewer than two units for two copies: this put is placed
         return await self._put_placed(req, columns)
+
+    async def _put_pair(
+        self, req: PreparePut, columns: dict[str, Column], wait: float | None
+    ) -> BatchMeta:
+        """A put to a partition of two copies in one exchange: the rows go to two units at once,
+        each of which has the controller commit them; it commits once both hold them (the first
+        unit's rows, the second's their copy), and both answer with the same rows. If either
+        answers with the rows, the put is made (the other's failure, e.g. its unit dying after
+        the commit, loses no row: the controller keeps the copy it has)."""
+        units = self._pair_units()
+        if units is None:
+            raise PlacementRequiredError(
+                "fewer than two storage units are reachable for a put of two copies: the "
+                "controller places it",
+                partition=req.partition,
+            )
+        req = msgspec.structs.replace(req, pair=Pair(token=secrets.randbits(62) + 1, units=units))
+        legs = await asyncio.gather(
+            *(self._put_direct(req, columns, wait, unit) for unit in units),
+            return_exceptions=True,
+        )
+        for leg in legs:
+            if isinstance(leg, BatchMeta):
+                return leg
+        errors = [leg for leg in legs if isinstance(leg, BaseException)]
+        for exc in errors:  # the controller's answer (a refusal) says more than a lost link
+            if isinstance(exc, TQStreamError) and not isinstance(exc, UnitLostError):
+                raise exc
+        raise errors[0]
+
+    def _pair_units(self) -> list[int] | None:
+        """The two units of a put of two copies: the next in turn (of this host first), and the
+        next reachable unit after it."""
+        first = self._direct_unit()
+        n, now = len(self.unit_addresses), time.monotonic()
+        for k in range(1, n):
+            unit = (first + k) % n
+            if self._skip.get(unit, 0.0) <= now and not self._is_down(unit):
+                return [first, unit]
+        return None
 
     async def _coalesced(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
         """Send the put with the others issued with it (``coalesce.py``); its own rows back. The
@@ -471,12 +519,16 @@ class ClientCore:
         return await self._committed(plan.put_id, store())
 
     async def _put_direct(
-        self, req: PreparePut, columns: dict[str, Column], wait: float | None
+        self,
+        req: PreparePut,
+        columns: dict[str, Column],
+        wait: float | None,
+        unit: int | None = None,
     ) -> BatchMeta:
         """One exchange: the next reachable storage unit in turn takes the rows and commits them.
         The bytes go through the unit's shared memory when it shares this host and the put has
         ``shared_memory_min_bytes``, else as one packed frame."""
-        unit = self._direct_unit()
+        unit = self._direct_unit() if unit is None else unit
         wait = None if wait is None else wait + GET_GRACE  # the unit waits for the controller
         segment = ""
         try:

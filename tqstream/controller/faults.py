@@ -30,6 +30,7 @@ from tqstream.controller.records import (
     PutBook,
 )
 from tqstream.controller.units import UnitTable
+from tqstream.errors import UnitLostError
 
 
 class Faults:
@@ -63,6 +64,13 @@ class Faults:
         for put in self.book.where(unit=u):
             self.book.end(put.put_id, "unit-lost")
             self.writes.rollback(put, effects)
+        for token, half in self.book.halves_with(u):  # a copy of a replicated put: no pair now
+            self.book.take_half(token)
+            effects.failed.append((half.handle, UnitLostError(
+                f"storage unit {u} ({self.units.addresses[u]}), one of the two units of a "
+                f"replicated put, was lost before both held the rows; nothing was stored: put "
+                f"again", unit=u, partition=half.req.partition,
+            )))  # fmt: skip
         for p in list(self.catalog.partitions.values()):
             gone = p.rows.lose_unit(u)
             if not gone:

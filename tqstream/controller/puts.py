@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from tqstream.controller.catalog import Catalog
 from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import Effects, Ids, PendingPut, PutBook, WaitingPut
+from tqstream.controller.records import Effects, Half, Ids, PendingPut, PutBook, WaitingPut
 from tqstream.controller.rows import Row, check_versions
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
@@ -73,12 +75,14 @@ class Puts:
         handle: Any = None,
         since: float | None = None,
         pinned: int | None = None,
+        replica: int = -1,
     ) -> PutPlan | None:
         """Validate and reserve; with ``handle``, a put that does not fit the units' byte quotas
         waits (returns None; answered later through the ``Effects`` of the call that frees room) up
         to ``req.timeout``.
         ``since``: when a waiting put first asked (its timeout counts from then). ``pinned``: the
-        rows go to that unit only (its data is there already, see :meth:`put_stored`)."""
+        rows go to that unit only (its data is there already, see :meth:`put_stored`), their copy
+        to ``replica`` (which holds it already, see :meth:`put_paired`)."""
         if req.n_rows <= 0 or not req.schemas:
             raise InvalidRequestError(
                 f"a put needs at least one row and one field (got "
@@ -110,19 +114,24 @@ class Puts:
                 req.n_rows, req.nbytes, self.catalog.replicas_of(req.partition), req.near
             )
         else:
-            if self.catalog.replicas_of(req.partition) > 1 and len(self.units.live()) > 1:
+            if (
+                replica < 0
+                and self.catalog.replicas_of(req.partition) > 1
+                and len(self.units.live()) > 1
+            ):
                 raise PlacementRequiredError(
-                    f"partition {req.partition!r} keeps 2 copies of every row: a put to it is "
-                    f"placed by the controller, not stored on one unit first; put again (the "
-                    f"client does so by itself)",
+                    f"partition {req.partition!r} keeps 2 copies of every row: a put to it goes "
+                    f"to two units at once (or is placed by the controller), not stored on one "
+                    f"unit only; put again (the client does so by itself)",
                     partition=req.partition,
+                    replicas=2,
                 )
-            runs = self.units.place_on(pinned, req.n_rows, req.nbytes)
-            if runs is None and self.units.room_elsewhere(pinned, req.nbytes):
+            runs = self.units.place_on(pinned, req.n_rows, req.nbytes, replica)
+            if runs is None and (replica >= 0 or self.units.room_elsewhere(pinned, req.nbytes)):
+                which = f"storage unit {pinned}" if replica < 0 else f"unit {pinned} or {replica}"
                 raise PlacementRequiredError(
-                    f"storage unit {pinned} has no room for this put's {req.nbytes} bytes (its "
-                    f"quota) and other units have: the put is placed by the controller instead "
-                    f"(the client does so by itself)",
+                    f"{which} has no room for this put's {req.nbytes} bytes (its quota): the put "
+                    f"is placed by the controller instead (the client does so by itself)",
                     partition=req.partition,
                     unit=pinned,
                     full=True,
@@ -455,6 +464,68 @@ class Puts:
         assert meta is not None  # a new put's rows, committed in the same step
         return StoredReply.of(req.rid, plan.segments[0].chunk, meta), effects
 
+    def put_paired(
+        self, req: PreparePut, unit: int, now: float, handle: Any
+    ) -> tuple[StoredReply | None, list[Any], Effects]:
+        """One copy of a replicated one-exchange put (``req.pair``), held by unit ``unit``. The
+        first copy to arrive waits for the other (up to ``put_timeout``; it fails if a unit of
+        the pair is lost); with both, the rows are placed on the pair's first unit with the
+        second as their replica and committed in one step. Returns the committed rows' reply
+        (None while waiting or refused: refusals fail both copies through the effects) and the
+        handles it answers. A copy refused stores nothing: its unit drops the columns."""
+        pair = req.pair
+        assert pair is not None
+        effects = Effects()
+        if unit not in pair.units or pair.units[0] == pair.units[1]:
+            raise InvalidRequestError(
+                f"a put sent to units {pair.units} reached unit {unit}: the two units of a "
+                f"replicated put are two different units, and each copy goes to one of them"
+            )
+        for u in pair.units:
+            if 0 <= u < len(self.units.alive) and not self.units.alive[u]:
+                raise UnitLostError(
+                    f"storage unit {u} ({self.units.addresses[u]}), one of the two units of this "
+                    f"replicated put, was declared lost; nothing was stored: put again",
+                    unit=u,
+                    partition=req.partition,
+                )
+        other = self.book.take_half(pair.token)
+        if other is None:
+            self.book.hold_half(pair.token, Half(req, unit, handle))
+            self.deadlines.add(now + self.put_timeout, "pair", pair.token)
+            return None, [], effects
+        handles = [other.handle, handle]
+        if other.unit == unit or not _same_put(other.req, req):
+            exc: TQStreamError = InvalidRequestError(
+                f"the two copies of a replicated put (pair {pair.token}) differ or came from "
+                f"one unit; nothing was stored: put again",
+                partition=req.partition,
+            )
+            effects.failed += [(h, exc) for h in handles]
+            return None, [], effects
+        one = msgspec.structs.replace(req, pair=None)
+        try:
+            plan = self.prepare_put(one, now, None, None, pair.units[0], pair.units[1])
+        except TQStreamError as refused:
+            effects.failed += [(h, refused) for h in handles]
+            return None, [], effects
+        assert plan is not None
+        meta, effects = self.commit(plan.put_id, now)
+        assert meta is not None
+        return StoredReply.of(req.rid, plan.segments[0].chunk, meta), handles, effects
+
+    def expire_pair(self, token: int, effects: Effects) -> None:
+        """One copy of a replicated put waited ``put_timeout`` for the other: it fails."""
+        half = self.book.take_half(token)
+        if half is not None:
+            units = half.req.pair.units if half.req.pair is not None else [half.unit]
+            exc = RequestTimeoutError(
+                f"the other copy of this put (to storage units {units}) did not reach the "
+                f"controller within put_timeout={self.put_timeout}s; nothing was stored: put again",
+                partition=half.req.partition,
+            )
+            effects.failed.append((half.handle, exc))
+
     def put_error(self, put_id: int) -> TQStreamError:
         status = self.book.status(put_id)
         if status == "expired":
@@ -624,3 +695,8 @@ class Puts:
         waiting = self.book.unpark(handle)
         if waiting is not None:
             effects.failed.append((handle, self.capacity_error(waiting.req, now - waiting.since)))
+
+
+def _same_put(a: PreparePut, b: PreparePut) -> bool:
+    """The two copies of a replicated put describe the same rows."""
+    return msgspec.structs.replace(a, rid=0) == msgspec.structs.replace(b, rid=0)

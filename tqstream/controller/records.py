@@ -44,9 +44,10 @@ def check_window(req: GetMeta) -> None:
             )
 
 
-DeadlineKind = Literal["lease", "park", "acquire", "putwait", "put", "ttl"]
+DeadlineKind = Literal["lease", "park", "acquire", "putwait", "put", "ttl", "pair"]
 """What an entry of the state's deadline heap ends: a lease, a parked get, an acquire or a put
-waiting for room, an uncommitted put, the ttl of a partition's rows."""
+waiting for room, an uncommitted put, the ttl of a partition's rows, one copy of a replicated
+one-exchange put waiting for the other."""
 LeaseEnd = Literal["acked", "released", "expired", "disconnected", "reset", "cleared"]
 """How a lease ended (kept a while, to answer an ack that comes after it)."""
 PutEnd = Literal["committed", "aborted", "expired", "cleared", "unit-lost"]
@@ -223,6 +224,15 @@ class WaitingPut(NamedTuple):
     pinned: int | None
 
 
+class Half(NamedTuple):
+    """One copy of a replicated one-exchange put (``PreparePut.pair``), held by ``unit``, waiting
+    for the other; ``handle`` answers it."""
+
+    req: PreparePut
+    unit: int
+    handle: Any
+
+
 Record = TypeVar("Record")
 
 
@@ -268,6 +278,7 @@ class PutBook(Ledger[PendingPut, PutEnd]):
     def __init__(self) -> None:
         super().__init__(get_args(PutEnd))
         self._waiting: dict[Any, WaitingPut] = {}  # by request handle, in arrival order
+        self._halves: dict[int, Half] = {}  # by pair token
 
     def open(self, put: PendingPut) -> None:
         self._start(put.put_id, put)
@@ -314,6 +325,24 @@ class PutBook(Ledger[PendingPut, PutEnd]):
     def waiting(self) -> list[tuple[Any, WaitingPut]]:
         """The waiting puts by handle, in arrival order (a copy)."""
         return list(self._waiting.items())
+
+    # --- one copy of a replicated put, waiting for the other ---
+    def hold_half(self, token: int, half: Half) -> None:
+        self._halves[token] = half
+
+    def take_half(self, token: int) -> Half | None:
+        return self._halves.pop(token, None)
+
+    def holds_half(self, token: int) -> bool:
+        return token in self._halves
+
+    def halves_with(self, unit: int) -> list[tuple[int, Half]]:
+        """The waiting copies held by ``unit`` or waiting for a copy from it (a copy)."""
+        return [
+            (token, half)
+            for token, half in self._halves.items()
+            if unit in (half.req.pair.units if half.req.pair is not None else (half.unit,))
+        ]
 
 
 @dataclasses.dataclass

@@ -227,14 +227,19 @@ class ControllerService:
                     results = _StoredResults(responder, len(msg.puts))
                     for i, put in enumerate(msg.puts):
                         one = results.part(i)
+                        handles: list[Any] = [one]
                         try:
-                            stored, effects = s.put_stored(put, msg.unit, now, one)
+                            if put.pair is None:
+                                stored, effects = s.put_stored(put, msg.unit, now, one)
+                            else:  # answered once both copies are in (or refused)
+                                stored, handles, effects = s.put_paired(put, msg.unit, now, one)
                         except TQStreamError as exc:
                             one.fail(exc)
                             continue
                         self._apply(effects)
                         if stored is not None:  # else it waits for room: answered later
-                            one.reply(stored)
+                            for handle in handles:
+                                handle.reply(stored)
                     return None  # answered by ``results`` once every put is
                 case PrepareFields():
                     return s.prepare_fields(msg, now, responder.peer)

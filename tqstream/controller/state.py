@@ -198,6 +198,13 @@ class ControllerState:
         reply, effects = self.writes.put_stored(req, unit, now, handle, since)
         return reply, self.settle(effects, now)
 
+    def put_paired(
+        self, req: PreparePut, unit: int, now: float, handle: Any
+    ) -> tuple[StoredReply | None, list[Any], Effects]:
+        self.now = max(self.now, now)
+        reply, handles, effects = self.writes.put_paired(req, unit, now, handle)
+        return reply, handles, self.settle(effects, now)
+
     def put_error(self, put_id: int) -> TQStreamError:
         return self.writes.put_error(put_id)
 
@@ -351,6 +358,8 @@ class ControllerState:
             elif kind == "put":
                 self.writes.expire_put(ref, effects)
                 self.settle(effects, now)
+            elif kind == "pair":
+                self.writes.expire_pair(ref, effects)
             else:
                 parked: Parked = ref
                 if parked.req.partition in touched:  # rows given back before this timeout
@@ -371,6 +380,8 @@ class ControllerState:
             return self.puts.parked(ref) is not None
         if kind == "put":
             return ref in self.puts
+        if kind == "pair":
+            return self.puts.holds_half(ref)
         if kind == "ttl":
             return self.partitions.get(ref[0].name) is ref[0]
         return self.parked.holds(ref)

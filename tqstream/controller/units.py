@@ -123,16 +123,24 @@ class UnitTable:
                 return j
         return None
 
-    def place_on(self, u: int, n_rows: int, nbytes: int) -> list[tuple[int, int, int, int]] | None:
-        if 0 <= u < len(self.alive) and not self.alive[u]:
-            raise UnitLostError(
-                f"storage unit {u} at {self.addresses[u]} was declared lost by the controller, so "
-                f"it takes no rows; the put was not stored: retry it",
-                unit=u,
-                address=self.addresses[u],
-            )
+    def place_on(
+        self, u: int, n_rows: int, nbytes: int, replica: int = -1
+    ) -> list[tuple[int, int, int, int]] | None:
+        """The rows on unit ``u`` (and their copy on ``replica``), or None while either has no
+        room for them."""
+        for v in (u, replica):
+            if 0 <= v < len(self.alive) and not self.alive[v]:
+                raise UnitLostError(
+                    f"storage unit {v} at {self.addresses[v]} was declared lost by the "
+                    f"controller, so it takes no rows; the put was not stored: retry it",
+                    unit=v,
+                    address=self.addresses[v],
+                )
         runs = place_on(u, self.bytes, n_rows, nbytes, self.quota)
-        return None if runs is None else [(unit, -1, a, b) for unit, a, b in runs]
+        if runs is None or (replica >= 0 and place_on(replica, self.bytes, n_rows, nbytes,
+                                                      self.quota) is None):  # fmt: skip
+            return None
+        return [(unit, replica, a, b) for unit, a, b in runs]
 
     def room_elsewhere(self, u: int, nbytes: int) -> bool:
         """Whether a live unit other than ``u`` has room for ``nbytes`` now."""

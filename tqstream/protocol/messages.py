@@ -174,6 +174,15 @@ class CountRejected(_Msg, frozen=True, tag="count_rejected"):
     count: Count
 
 
+class Pair(msgspec.Struct, frozen=True, array_like=True):
+    """A one-exchange put of a partition that keeps two copies: the client sends the same rows
+    to ``units`` (the first keeps them, the second the copy) under one ``token``; each unit has
+    the controller commit them, which it does once both hold them."""
+
+    token: Annotated[int, msgspec.Meta(gt=0)]
+    units: Annotated[list[Id], msgspec.Meta(min_length=2, max_length=2)]
+
+
 class PreparePut(_Msg, frozen=True, tag="prepare_put"):
     partition: str
     n_rows: Rows
@@ -191,6 +200,7 @@ class PreparePut(_Msg, frozen=True, tag="prepare_put"):
     tags: RowTags | None = None  # per row, its tags
     # units on the writer's host (it reaches their shared memory): placement prefers them
     near: list[Id] = []
+    pair: Pair | None = None  # (PutRows only) the put goes to two units at once
 
 
 class PrepareFields(_Msg, frozen=True, tag="prepare_fields"):
