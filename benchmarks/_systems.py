@@ -207,6 +207,7 @@ class _StoreProcess:
         if not line or line[0] != "READY":
             self.close()
             raise RuntimeError(f"zmq store did not start (exit code {self.proc.poll()})")
+        self.endpoint = line[1]
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(line[1])

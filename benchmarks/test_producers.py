@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import math
 import multiprocessing
@@ -30,6 +31,7 @@ import os
 import statistics
 import time
 import traceback
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
@@ -41,6 +43,7 @@ import torch
 from benchmarks._systems import (
     WAIT,
     Data,
+    RawZmq,
     System,
     TaskSystem,
     TQStream,
@@ -62,6 +65,7 @@ BENCH_SYSTEMS = (
     "tqstream-replicas",
     "ray-actor-queue",
     "transferqueue",
+    "zmq-tcp",
 )
 TASK = "consumer"
 POLL = 1.0  # seconds a consumer waits for a batch before checking that every producer is alive
@@ -187,6 +191,47 @@ class RayQueueProducer(Producer):
 
     def close(self) -> None:
         self.ray.shutdown()
+
+
+class ZmqProducer(Producer):
+    """The floor of the pattern: one request/reply per put to a raw pyzmq store process (a
+    DEALER socket, zero-copy frames: each ragged field as values + lengths, and the rewards)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.keys = itertools.count()
+        self.prefix = f"{os.getpid()}:".encode()
+
+    def put(self, item: Trajectories, tag: str) -> None:
+        flat = _flat(item)
+        header = json.dumps([[k, str(v.dtype).removeprefix("torch."), list(v.shape)]
+                             for k, v in flat.items()]).encode()  # fmt: skip
+        key = self.prefix + str(next(self.keys)).encode()
+        rows = str(len(item.rewards)).encode()
+        buffers = [v.view(torch.uint8).numpy().data for v in flat.values()]
+        self.sock.send_multipart([b"putrows", key, rows, header, *buffers], copy=False)
+        if self.sock.recv() != b"ok":
+            raise RuntimeError("the zmq store refused a put")
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def _flat(item: Trajectories) -> dict[str, torch.Tensor]:
+    """A put's fields as flat tensors: each ragged field's values back to back and its rows'
+    lengths; the rewards."""
+    flat = {}
+    for name, rows in item.ragged.items():
+        flat[name] = torch.cat(rows)
+        flat[f"{name}.lengths"] = torch.tensor([len(t) for t in rows], dtype=torch.int64)
+    flat["rewards"] = item.rewards
+    return flat
 
 
 def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -550,6 +595,53 @@ class RayQueueConsumer(Consumer):
         self.ray.kill(self.queue)
 
 
+class ZmqConsumer(Consumer):
+    """The floor's consumer: one ``take`` of a batch's rows from the store process (the rows
+    leave the store with it), each put's frames wrapped as tensors without a copy."""
+
+    system: RawZmq
+
+    def __init__(self, system: System) -> None:
+        super().__init__(system)
+        self.waiting = False  # a take was sent and not answered yet
+
+    def producer(self) -> tuple[type[Producer], tuple[Any, ...]]:
+        return ZmqProducer, (self.system.store.endpoint,)
+
+    def take(self, rows: int, timeout: float) -> tuple[Data, Any] | None:
+        sock = self.system.store.sock
+        if not self.waiting:
+            sock.send_multipart([b"take", str(rows).encode()])
+            self.waiting = True
+        if not sock.poll(timeout * 1000):
+            return None
+        self.waiting = False
+        frames = sock.recv_multipart(copy=False)
+        fields: dict[str, list[torch.Tensor]] = {name: [] for name in RAGGED}
+        rewards = []
+        i = 0
+        with warnings.catch_warnings():  # frames are read-only; so are the tensors on them
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            while i < len(frames):
+                count = int(frames[i].bytes)
+                header, *buffers = frames[i + 1 : i + 1 + count]
+                i += 1 + count
+                described = zip(json.loads(header.bytes), buffers, strict=True)
+                flat = {
+                    name: torch.frombuffer(buf.buffer, dtype=getattr(torch, dtype)).view(shape)
+                    for (name, dtype, shape), buf in described
+                }
+                for name in RAGGED:
+                    fields[name] += flat[name].split(flat[f"{name}.lengths"].tolist())
+                rewards.append(flat["rewards"])
+        data: dict[str, Any] = dict(fields)
+        data["rewards"] = torch.cat(rewards)
+        return data, None
+
+    def held(self) -> int:
+        return self.system.held() or 0
+
+
 def make_consumer(system: System) -> Consumer:
     if isinstance(system, TQStream):
         return TQStreamConsumer(system)
@@ -557,6 +649,8 @@ def make_consumer(system: System) -> Consumer:
         return TransferQueueConsumer(system)
     if system.name == "ray-actor-queue":
         return RayQueueConsumer(system)
+    if system.name == "zmq-tcp":
+        return ZmqConsumer(system)
     raise KeyError(f"{system.name}: no producers scenario")
 
 
@@ -704,6 +798,8 @@ def test_producers(
 ) -> None:
     consumer, pool = producers
     config = PRODUCERS[variant].sized()
+    if isinstance(consumer, ZmqConsumer) and config.in_flight > 1:
+        pytest.skip("zmq-tcp: the floor of the sequential pattern only")
     tags = (f"producers-{variant}-{i}" for i in itertools.count())
     warm = Exchange(consumer, pool, config, config.warmup_rows, next(tags), keep=True)
     warm.arm()
