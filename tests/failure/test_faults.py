@@ -377,6 +377,19 @@ def test_a_put_of_two_copies_goes_to_both_units_in_one_exchange(monkeypatch) -> 
         _until(lambda: c.stats().storage_bytes == 0, 5.0)
 
 
+def test_a_partition_re_created_with_one_copy_is_put_once_again() -> None:
+    with ProcessCluster(2) as cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"], replicas=2)
+        assert c.put({"x": torch.zeros(2)}, "p").replicas  # the client learns: pairs
+        c.clear_partition("p")
+        c.create_partition("p", ["x"])
+        assert not c.put({"x": torch.zeros(3)}, "p").replicas  # one copy again
+        assert sum(u.rows for u in c.stats().units) == 3
+        c.clear_partition("p")
+        c.create_partition("p", ["x"], replicas=2)
+        assert c.put({"x": torch.zeros(3)}, "p").replicas
+
+
 def test_a_unit_killed_amid_puts_of_two_copies_loses_nothing_and_stores_nothing_twice() -> None:
     """A producer puts rows 0..N-1 one put at a time, each retried until it is made; a unit is
     SIGKILLed halfway. Every row is read exactly once: a put that failed (its copy's unit gone

@@ -135,3 +135,12 @@ def test_a_copy_naming_a_lost_unit_is_refused_at_once():
     with pytest.raises(UnitLostError, match="unit 1"):  # unit 1's copy cannot come any more
         s.put_paired(copy(), 0, 0.0, "first")
     unchanged(s)
+
+
+def test_a_pair_for_a_partition_of_one_copy_is_refused_so_the_client_puts_once():
+    s = new_state(2)
+    s.create_partition("p", ["a"])  # re-created with one copy since the client learnt two
+    with pytest.raises(PlacementRequiredError) as err:
+        s.put_paired(copy(), 0, 0.0, "x")
+    assert err.value.details["replicas"] == 1
+    assert s.partitions["p"].committed == 0 and not s.puts.halves_with(0)

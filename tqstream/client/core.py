@@ -382,8 +382,12 @@ class ClientCore:
                     return await self._put_pair(req, columns, wait)
                 return await self._put_direct(req, columns, wait)
             except PlacementRequiredError as exc:  # refused before anything was stored
-                if exc.details.get("replicas") and req.partition not in self._paired:
-                    self._paired.add(req.partition)  # two copies: all of its puts go in pairs
+                copies = exc.details.get("replicas")
+                if (copies == 2) != (req.partition in self._paired):  # learnt, or re-created
+                    if copies == 2:  # two copies: all of its puts go in pairs
+                        self._paired.add(req.partition)
+                    else:
+                        self._paired.discard(req.partition)
                     return await self._put_one(req, columns)
                 # else a full unit, or fewer than two units for two copies: this put is placed
         return await self._put_placed(req, columns)

@@ -481,6 +481,13 @@ class Puts:
                 f"a put sent to units {pair.units} reached unit {unit}: the two units of a "
                 f"replicated put are two different units, and each copy goes to one of them"
             )
+        if self.catalog.replicas_of(req.partition) < 2:
+            raise PlacementRequiredError(
+                f"partition {req.partition!r} keeps one copy of each row: a put to it goes to "
+                f"one unit, not two; put again (the client does so by itself)",
+                partition=req.partition,
+                replicas=1,
+            )
         for u in pair.units:
             if 0 <= u < len(self.units.alive) and not self.units.alive[u]:
                 raise UnitLostError(
