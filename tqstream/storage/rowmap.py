@@ -127,9 +127,22 @@ class RowMap(Generic[V]):
         """No row of ``rows`` is in the map."""
         if not rows or (isinstance(rows, range) and rows.start >= self._top):
             return True
-        if self._dict.keys().isdisjoint(rows) and self._clear(rows):
+        if self._apart(rows) and self._clear(rows):
             return True
         return not any(r in self for r in rows)
+
+    def _apart(self, rows: Sequence[int]) -> bool:
+        """No row of ``rows`` is in the dict (``keys().isdisjoint`` walks all of ``rows``: for a
+        long run, the dict's keys are walked when they are fewer)."""
+        d = self._dict
+        if not d:
+            return True
+        if isinstance(rows, range) and rows.step == 1:
+            if rows.start >= self._top:
+                return True
+            if len(d) < len(rows):
+                return not any(rows.start <= k < rows.stop for k in d)
+        return d.keys().isdisjoint(rows)
 
     def set_run(self, rows: Sequence[int], value: V) -> None:
         """Every row of ``rows`` maps to ``value``; a long run of new rows becomes one span."""
@@ -143,7 +156,7 @@ class RowMap(Generic[V]):
             isinstance(rows, range)
             and rows.step == 1
             and len(rows) > SPAN_MIN
-            and self._dict.keys().isdisjoint(rows)
+            and self._apart(rows)
         ):
             i = bisect_right(self._starts, rows.start)
             self._spans.insert(i, _Span(rows.start, rows.stop, value))
@@ -208,7 +221,7 @@ class RowMap(Generic[V]):
         if (
             s is None
             or hi >= s.stop
-            or not self._dict.keys().isdisjoint(rows)
+            or not self._apart(rows)
             or (s.gone and not s.gone.isdisjoint(rows))
         ):
             return None
