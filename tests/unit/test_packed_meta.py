@@ -9,6 +9,7 @@ import pytest
 
 from tqstream.controller.catalog import Catalog
 from tqstream.controller.state import ControllerState
+from tqstream.errors import InternalError
 from tqstream.protocol.messages import (
     MetaReply,
     PackedMeta,
@@ -106,3 +107,8 @@ def test_packed_meta_on_the_wire_and_through_a_relaying_unit():
     relay = decode_unit_reply(encode(StoredResults(rid=1, results=[StoredReply.of(0, 9, small)])))
     assert relay.results[0].row_ids() == small_whole.row_ids
     assert decode_reply(encode(MetaReply.of(3, small))).batch() == small_whole
+
+
+def test_a_meta_reply_with_no_rows_metadata_is_an_internal_error():
+    with pytest.raises(InternalError, match="carried neither meta nor packed"):
+        decode_reply(encode(MetaReply(rid=1))).batch()

@@ -76,6 +76,8 @@ def test_a_lost_unit_of_the_pair_fails_the_waiting_copy(lost):
     effects = s.lose_unit(lost, 0.0)
     [(handle, exc)] = effects.failed
     assert handle == "waiting" and isinstance(exc, UnitLostError)
+    assert f"storage unit {lost} (tcp://unit{lost}), one of the two units" in str(exc)
+    assert "nothing was stored: put again" in str(exc)
     unchanged(s)
 
 
@@ -105,6 +107,7 @@ def test_copies_that_differ_or_come_from_one_unit_are_refused():
     _, _, effects = s.put_paired(copy(version=3), 1, 0.0, "other rows")
     assert [h for h, _ in effects.failed] == ["first", "other rows"]
     assert all(isinstance(e, InvalidRequestError) for _, e in effects.failed)
+    assert "the two copies of a replicated put (pair 7) differ" in str(effects.failed[0][1])
     s.put_paired(copy(9), 0, 0.0, "first")
     _, _, effects = s.put_paired(copy(9), 0, 0.0, "again from 0")
     assert len(effects.failed) == 2
@@ -126,6 +129,7 @@ def test_no_room_on_a_unit_of_the_pair_has_both_copies_placed_instead():
     assert [h for h, _ in effects.failed] == ["c", "d"]
     exc = effects.failed[0][1]
     assert isinstance(exc, PlacementRequiredError) and exc.details["full"]
+    assert str(exc).startswith("unit 0 or 1 has no room for this put's 30 bytes (its quota)")
     assert s.units.bytes == [30, 30]
 
 
@@ -140,7 +144,7 @@ def test_a_copy_naming_a_lost_unit_is_refused_at_once():
 def test_a_pair_for_a_partition_of_one_copy_is_refused_so_the_client_puts_once():
     s = new_state(2)
     s.create_partition("p", ["a"])  # re-created with one copy since the client learnt two
-    with pytest.raises(PlacementRequiredError) as err:
+    with pytest.raises(PlacementRequiredError, match="keeps one copy of each row") as err:
         s.put_paired(copy(), 0, 0.0, "x")
     assert err.value.details["replicas"] == 1
     assert s.partitions["p"].committed == 0 and not s.puts.halves_with(0)

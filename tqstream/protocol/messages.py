@@ -677,7 +677,12 @@ class MetaReply(_Msg, frozen=True, tag="meta"):
         if self.meta is not None:
             return self.meta
         if self.packed is None:
-            raise msgspec.ValidationError("a meta reply carries neither meta nor packed")
+            from tqstream.errors import InternalError
+
+            raise InternalError(
+                "a MetaReply carried neither meta nor packed rows' metadata: the peer that sent "
+                "it speaks another version of the protocol"
+            )
         return self.packed.expand()
 
 
