@@ -96,12 +96,17 @@ def in_chunk_segment(t: torch.Tensor, token: str) -> bool:
     return perms.endswith("p") and path.startswith(f"{shm.SHM_DIR}/tqs-{token}-c")
 
 
-def shm_tokens(client: Client) -> dict[int, str]:
-    """unit -> token, of the units this thread's sync calls reach through shared memory (they run
-    on the thread's lane when the client has lanes, else on its IO thread)."""
+def core_of(client: Client) -> Any:
+    """The core this thread's sync calls run on (the thread's lane when the client has lanes,
+    else its IO thread's)."""
     lanes = client._lanes
     lane = lanes._lanes.get(threading.current_thread()) if lanes is not None else None
-    return (client._core if lane is None else lane.core)._shm
+    return client._core if lane is None else lane.core
+
+
+def shm_tokens(client: Client) -> dict[int, str]:
+    """unit -> token, of the units this thread's sync calls reach through shared memory."""
+    return core_of(client)._shm  # type: ignore[no-any-return]
 
 
 def token_of(client: Client, unit: int = 0) -> str:
@@ -424,10 +429,10 @@ def test_full_dev_shm_put_falls_back_to_frames(
 ) -> None:
     """A put whose segment cannot be written (/dev/shm full) is sent as frames instead."""
 
-    def full(name: str, buffers: Any, reuse: bool = False) -> list[Region]:
+    def full(self: shm.Writer, name: str, buffers: Any, spares: Any) -> Any:
         raise OSError(errno.ENOSPC, "No space left on device", name)
 
-    monkeypatch.setattr(shm, "write_segment", full)
+    monkeypatch.setattr(shm.Writer, "write", full)
     data = rows(8)
     embedded.put(data, "p")
     token = shm_tokens(embedded)[0]
@@ -479,17 +484,65 @@ def test_direct_put_hands_its_segment_to_the_unit_and_reuses_spares(
     assert segments(token, "d") == segments(token, "l") == set()
 
 
-def test_refused_direct_put_leaves_no_segment(embedded: Client) -> None:
+def test_refused_direct_put_leaves_no_segment(embedded: Client, writes: str) -> None:
     """A direct put the controller refuses (a schema change) raises the typed error; its segment
-    goes back to the unit's spares and nothing is stored."""
+    goes back to the unit's spares and nothing is stored; the writer keeps no mapping of it."""
     embedded.put({"x": torch.randn(64, 256)}, "p")
     token = shm_tokens(embedded)[0]
     chunks = segments(token, "c")
+    writer = core_of(embedded)._writer
+    kept = set(writer._kept)
     with pytest.raises(tqstream.SchemaError, match="stored as dense float32"):
         embedded.put({"x": torch.randn(64, 512)}, "p")
     assert segments(token, "c") == chunks
     assert segments(token, "d") == segments(token, "l") == set()
     assert embedded.stats("p").partitions["p"].rows == 64
+    assert set(writer._kept) == kept  # the refused put's segment: never written again
+
+
+def test_large_puts_write_into_the_mappings_the_writer_kept() -> None:
+    """A put of a large segment (``MAPPED_WRITE_BYTES`` and more) keeps its mapping: once the rows
+    are acked and nobody maps the segment any more, the next put writes into the same pages; a
+    consumer still holding views keeps its data (the next put takes another segment); the
+    client's close lets every mapping go."""
+    size = shm.MAPPED_WRITE_BYTES // 4  # float32 elements: one segment of MAPPED_WRITE_BYTES
+    with same_host() as (_, client):
+        inodes = []
+        for i in range(4):
+            x = torch.full((16, size // 16), float(i))
+            client.put({"x": x}, "p")
+            token = shm_tokens(client)[0]
+            inodes += list(_inodes(token, "c"))
+            batch = client.get("p", "x", batch_size=16, task="t", timeout=5)
+            assert torch.equal(batch.data["x"], x)
+            del batch
+            gc.collect()
+            client.clear_partition("p")
+        # the client learns of a spare in the next put's answer: two segments take turns
+        assert inodes[2:] == inodes[:2] and inodes[0] != inodes[1], inodes
+        writer = core_of(client)._writer
+        assert set(writer._kept) == set(inodes)
+
+        def round_trip(value: float, keep: bool = False) -> torch.Tensor | None:
+            client.put({"x": torch.full((16, size // 16), value)}, "p")
+            got = client.get("p", "x", batch_size=16, task="t", timeout=5).data["x"]
+            assert bool((got == value).all())
+            client.clear_partition("p")
+            return got if keep else None
+
+        held = round_trip(0.0, keep=True)  # its segment, now a spare, is still mapped by `held`
+        round_trip(1.0)  # (its answer lists that spare)
+        client.put({"x": torch.full((16, size // 16), 2.0)}, "p")
+        assert not set(_inodes(token, "c")) & set(inodes)  # a new segment, not held's
+        assert held is not None and bool((held == 0).all())
+        assert len(writer._kept) == 3
+        del held
+        gc.collect()
+        client.clear_partition("p")
+        names = segments(token, "p")
+        client.close()
+        assert writer.kept_bytes == 0
+        assert all(mapped(name) == [] for name in names)
 
 
 # --- refused and aborted stores at the protocol level -----------------------------------------
@@ -799,9 +852,9 @@ def _inodes(token: str, kind: str) -> dict[int, str]:
     return {os.stat(f"{shm.SHM_DIR}/{n}").st_ino: n for n in segments(token, kind)}
 
 
-def test_dropped_segment_is_reused_only_when_nobody_maps_it() -> None:
-    """A dropped chunk's segment becomes a spare; the next put writes into it only once no reader
-    maps it any more: a consumer still holding views keeps its data, whatever is put next."""
+def test_dropped_segment_is_reused_only_when_nobody_maps_it(writes: str) -> None:
+    """A dropped chunk's segment becomes a spare; a put writes into it only once no reader maps it
+    any more: a consumer still holding views keeps its data, whatever is put next."""
     first, second, third = (torch.full((256, 1024), float(i)) for i in range(3))
     with same_host() as (_, client):
         client.put({"x": first}, "p")
@@ -811,10 +864,13 @@ def test_dropped_segment_is_reused_only_when_nobody_maps_it() -> None:
         client.clear_partition("p")
         assert segments(token, "c") == set() and len(segments(token, "p")) == 1
         assert client.stats().units[0].spare_bytes >= first.numel() * 4
-        client.put({"x": second}, "p")  # the spare is still mapped by `held`: not offered
+        client.put({"x": second}, "q")  # its answer lists the spare `held` still maps ...
+        client.put({"x": third}, "r")  # ... which this put finds held: it takes a new segment
         assert held_inode not in _inodes(token, "c")
-        got = client.get("p", "x", batch_size=256, task="t", timeout=5).data["x"]
-        assert torch.equal(held, first) and torch.equal(got, second)
+        got = client.get("r", "x", batch_size=256, task="t", timeout=5).data["x"]
+        assert torch.equal(held, first) and torch.equal(got, third)
+        client.clear_partition("q")
+        client.clear_partition("r")
         del held, got
         gc.collect()
         client.clear_partition("p")

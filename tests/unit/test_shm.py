@@ -38,6 +38,15 @@ def path(name: str) -> str:
     return os.path.join(shm.SHM_DIR, name)
 
 
+def exclusive(name: str) -> bool:
+    """Whether nobody holds the file open or mapped (what a claimant checks on its descriptor)."""
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        return shm._alone(fd)
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture(params=["write", "mapped"])
 def writes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both ways a segment is written: ``write()`` (small ones) and through a mapping of its own
@@ -60,25 +69,107 @@ def test_write_segment_lays_buffers_out_aligned(unit: shm.UnitSegments, writes: 
         data = f.read()
     for buf, r in zip(bufs, regions, strict=True):
         assert data[r.offset : r.offset + r.nbytes] == bytes(buf)
-    assert shm._exclusive(path(name))  # no mapping of the writer's is left: it can be a spare
+    assert exclusive(path(name))  # no mapping of the writer's is left: it can be a spare
     shm.unlink(name)
 
 
-def test_write_segment_into_a_claimed_spare(unit: shm.UnitSegments, writes: str) -> None:
-    """A reused spare (larger than needed, holding old bytes) gets the new bytes at the new
-    regions; its size is kept."""
+def test_writer_writes_into_a_claimed_spare(unit: shm.UnitSegments, writes: str) -> None:
+    """A claimed spare (larger than needed, holding old bytes) is renamed to the segment's name and
+    gets the new bytes at the new regions; its size is kept."""
+    spare = f"tqs-{unit.token}-p1"
+    with open(path(spare), "wb") as f:
+        f.write(b"\xff" * 6000)
     name = shm.chunk_segment(unit.token, 3)
-    with open(path(name), "wb") as f:
-        f.write(b"\xff" * 8192)
     bufs = [bytes(range(200)), b"\x01" * 3000]
-    regions = shm.write_segment(name, bufs, reuse=True)
+    writer = shm.Writer()
+    regions, reused, _ = writer.write(name, bufs, [Spare(spare, 6000, inode(spare))])
+    writer.close()
+    assert reused == spare and not os.path.exists(path(spare))
     with open(path(name), "rb") as f:
         data = f.read()
-    assert len(data) == 8192
+    assert len(data) == 6000
     for buf, r in zip(bufs, regions, strict=True):
         assert data[r.offset : r.offset + r.nbytes] == buf
-    assert shm._exclusive(path(name))
+    assert exclusive(path(name))
     shm.unlink(name)
+
+
+def inode(name: str) -> int:
+    return os.stat(path(name)).st_ino
+
+
+def recycle(name: str, spare: str) -> Spare:
+    """What the unit does with a dropped chunk's segment: a spare, listed with its inode."""
+    os.rename(path(name), path(spare))
+    return Spare(spare, os.stat(path(spare)).st_size, inode(spare))
+
+
+def test_writer_keeps_the_mapping_of_a_large_segment_and_writes_it_again(
+    unit: shm.UnitSegments, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment written through a mapping keeps it: offered back as a spare, the next write goes
+    into that mapping (no new one) and lands in the same pages."""
+    monkeypatch.setattr(shm, "MAPPED_WRITE_BYTES", 0)
+    writer = shm.Writer()
+    first = shm.chunk_segment(unit.token, 1)
+    _, reused, kept = writer.write(first, [bytes(range(256)) * 64], [])
+    assert reused == "" and kept == inode(first) and writer.kept_bytes >= 16384
+    assert not exclusive(path(first))  # the writer's descriptor holds it
+    spare = recycle(first, f"tqs-{unit.token}-p1")
+    second = shm.chunk_segment(unit.token, 2)
+    _, reused, again = writer.write(second, [b"\x07" * 10000], [spare])
+    assert (reused, again) == (spare.name, kept) and len(writer._kept) == 1
+    with open(path(second), "rb") as f:
+        assert f.read(10000) == b"\x07" * 10000
+    writer.close()
+    assert exclusive(path(second))  # closed: nothing of the writer's holds it
+    shm.unlink(second)
+
+
+def test_writer_never_writes_a_spare_somebody_maps(
+    unit: shm.UnitSegments, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare a reader still maps (its views alive), or that another writer keeps, is not claimed
+    (the put gets a new segment) and the reader's bytes stay as they were."""
+    monkeypatch.setattr(shm, "MAPPED_WRITE_BYTES", 0)
+    writer, other = shm.Writer(), shm.Writer()
+    first = shm.chunk_segment(unit.token, 1)
+    _, _, kept = writer.write(first, [b"\x01" * 8192], [])
+    fd = os.open(path(first), os.O_RDONLY)
+    reader = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)
+    spare = recycle(first, f"tqs-{unit.token}-p1")
+    second = shm.chunk_segment(unit.token, 2)
+    _, reused, new = writer.write(second, [b"\x02" * 8192], [spare])
+    assert reused == "" and new not in (0, kept) and os.path.exists(path(spare.name))
+    assert reader[:8192] == b"\x01" * 8192
+    reader.close()  # the reader is gone: the writer may have it, not another writer
+    _, reused, _ = other.write(shm.chunk_segment(unit.token, 3), [b"\x03" * 8192], [spare])
+    assert reused == ""
+    _, reused, again = writer.write(shm.chunk_segment(unit.token, 4), [b"\x04" * 8192], [spare])
+    assert (reused, again) == (spare.name, kept)
+    writer.close()
+    other.close()
+    shm.remove_segments(unit.token)
+
+
+def test_writer_lets_go_of_unlinked_segments_and_keeps_a_bounded_few(
+    unit: shm.UnitSegments, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept segment the unit unlinked (a spare evicted) is let go at the next write; at most
+    ``SPARE_SEGMENTS`` are kept, the least recently written let go first."""
+    monkeypatch.setattr(shm, "MAPPED_WRITE_BYTES", 0)
+    monkeypatch.setattr(shm, "SPARE_SEGMENTS", 2)
+    writer = shm.Writer()
+    names = [shm.chunk_segment(unit.token, i) for i in range(3)]
+    inodes = [writer.write(name, [bytes(4096)], [])[2] for name in names]
+    assert list(writer._kept) == inodes[1:]
+    shm.unlink(names[1])
+    writer.write(shm.chunk_segment(unit.token, 9), [bytes(4096)], [])
+    assert inodes[1] not in writer._kept and inodes[2] in writer._kept
+    writer.close()
+    assert writer.kept_bytes == 0
+    shm.remove_segments(unit.token)
 
 
 def test_write_segment_leaves_nothing_when_dev_shm_is_full(
@@ -97,24 +188,24 @@ def test_write_segment_leaves_nothing_when_dev_shm_is_full(
 
 
 def test_claim_takes_the_smallest_fitting_spare_once() -> None:
-    """A spare of size..2*size is renamed to the chunk's name; one claimant wins; too small, too
+    """A spare of size..2*size is renamed to the segment's name; one claimant wins; too small, too
     big, foreign or vanished spares are skipped."""
     token = secrets.token_hex(8)
     names = [f"tqs-{token}-p{i}" for i in range(4)]
-    for name, size in zip(names, (50, 150, 120, 400), strict=True):
+    for name, size in zip(names, (50, 250, 140, 400), strict=True):
         with open(path(name), "wb") as f:
             f.write(bytes(size))
-    spares = [Spare(n, s) for n, s in zip(names, (50, 150, 120, 400), strict=True)]
+    spares = [Spare(n, s, inode(n)) for n, s in zip(names, (50, 250, 140, 400), strict=True)]
     spares.append(Spare("tqs-elsewhere-p9", 100))
-    target = f"tqs-{token}-c7"
+    writer = shm.Writer()
     try:
-        assert shm.claim(spares, target, 100) == names[2]  # 120: smallest in [100, 200]
-        assert os.path.exists(path(target)) and not os.path.exists(path(names[2]))
-        assert shm.claim(spares[2:3], f"tqs-{token}-c8", 100) == ""  # already claimed
-        assert shm.claim(spares, f"tqs-{token}-c9", 1000) == ""  # nothing large enough
+        assert writer.write(f"tqs-{token}-c7", [bytes(128)], list(spares))[1] == names[2]
+        assert not os.path.exists(path(names[2]))  # 140: smallest in [128, 256]
+        assert writer.write(f"tqs-{token}-c8", [bytes(128)], spares[2:3])[1] == ""  # claimed
+        assert writer.write(f"tqs-{token}-c9", [bytes(1000)], list(spares))[1] == ""  # too big
     finally:
-        for name in [*names, target]:
-            shm.unlink(name)
+        writer.close()
+        shm.remove_segments(token)
 
 
 def test_exclusive_only_when_nobody_holds_the_file() -> None:
@@ -123,13 +214,13 @@ def test_exclusive_only_when_nobody_holds_the_file() -> None:
     with open(path(name), "wb") as f:
         f.write(bytes(4096))
     try:
-        assert shm._exclusive(path(name))
+        assert exclusive(path(name))
         fd = os.open(path(name), os.O_RDONLY)
         m = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE)
         os.close(fd)
-        assert not shm._exclusive(path(name))
+        assert not exclusive(path(name))
         m.close()
-        assert shm._exclusive(path(name))
+        assert exclusive(path(name))
     finally:
         shm.unlink(name)
 

@@ -97,20 +97,6 @@ GET_GRACE = 10.0
 """Extra seconds a client waits for a parked get beyond its server-side timeout."""
 
 
-def _write_shared(
-    name: str, buffers: Sequence[Any], spares: list[Spare]
-) -> tuple[list[Region], str] | None:
-    """Write ``buffers`` to segment ``name`` of a unit's shared memory (into one of its ``spares``
-    when one fits): the regions and the claimed spare's name, or None when /dev/shm has no room
-    (frames still work)."""
-    reused = shm.claim(spares, name, shm.segment_size(buffers))
-    spares[:] = [s for s in spares if s.name != reused]
-    try:
-        return shm.write_segment(name, buffers, reuse=bool(reused)), reused
-    except OSError:
-        return None
-
-
 def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) -> list[Any]:
     """The reply's frames with the shared ones replaced by views of the unit's segments; a gather
     segment is unlinked once mapped (its views keep the memory until they die)."""
@@ -182,6 +168,7 @@ class ClientCore:
         self._units: dict[int, asyncio.Task[Connection]] = {}
         self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
         self._spares: dict[int, list[Spare]] = {}  # unit -> its recycled segments, last we heard
+        self._writer = shm.Writer()  # large segments' mappings kept for the next puts
         self._background: set[asyncio.Task[None]] = set()
         self.release_elsewhere: Callable[[BatchMeta], None] | None = None
         """Set on a core whose loop runs only during calls: where ``release_soon`` sends leases
@@ -269,6 +256,7 @@ class ClientCore:
             else:
                 task.cancel()
         self._units.clear()
+        self._writer.close()
         self.controller.close()
         if self._owns_ctx:
             self.ctx.destroy(linger=0)
@@ -534,7 +522,7 @@ class ClientCore:
         ``shared_memory_min_bytes``, else as one packed frame."""
         unit = self._direct_unit() if unit is None else unit
         wait = None if wait is None else wait + GET_GRACE  # the unit waits for the controller
-        segment = ""
+        segment, kept = "", 0
         try:
             conn = await self._unit(unit)
             msg: PutRows | None = None
@@ -543,8 +531,9 @@ class ClientCore:
             if token and req.nbytes >= self.config.shared_memory_min_bytes:
                 refs, buffers = columns_to_wire(columns)
                 segment = shm.direct_segment(token)
-                written = _write_shared(segment, buffers, self._spares.setdefault(unit, []))
+                written = self._write_shared(unit, segment, buffers)
                 if written is not None:
+                    kept = written[2]
                     msg, buffers = PutRows(rid=0, put=req, columns=refs, shared=written[0],
                                            reused=written[1], local=True), []  # fmt: skip
             if msg is None:
@@ -569,10 +558,22 @@ class ClientCore:
         finally:
             if segment:  # not taken yet: the unit finds nothing and refuses (shm.py), or took it
                 shm.unlink(segment)
+                self._writer.forget(kept)
         if msg.shared:
             self._spares[unit] = list(reply.spare)
         meta = reply.batch()
         return msgspec.structs.replace(meta, rejected=req.rejected) if req.rejected else meta
+
+    def _write_shared(
+        self, unit: int, name: str, buffers: Sequence[Any]
+    ) -> tuple[list[Region], str, int] | None:
+        """Write ``buffers`` to segment ``name`` of ``unit``'s shared memory (into one of its spares
+        when one fits): the regions, the claimed spare's name and the kept mapping's inode
+        (``shm.Writer.write``), or None when /dev/shm has no room (frames still work)."""
+        try:
+            return self._writer.write(name, buffers, self._spares.setdefault(unit, []))
+        except OSError:
+            return None
 
     def _direct_unit(self) -> int:
         """The unit a one-exchange put goes to: the next reachable one in turn, of those on this
@@ -640,13 +641,17 @@ class ClientCore:
                     local=unit in self.hosted, row_ids=[] if run else list(rows),
                     first_row=rows[0] if run else 0, n_rows=len(rows) if run else 0)  # fmt: skip
         size = sum(memoryview(b).nbytes for b in buffers)
+        kept = 0
         if token and buffers and size >= self.config.shared_memory_min_bytes:
-            spares = self._spares.setdefault(unit, [])
-            written = _write_shared(shm.chunk_segment(token, chunk), buffers, spares)
+            written = self._write_shared(unit, shm.chunk_segment(token, chunk), buffers)
             if written is not None:
                 msg = msgspec.structs.replace(msg, shared=written[0], reused=written[1])
-                buffers = []
-        reply: Ok = await self._ask(msg, Ok, conn=conn, buffers=buffers)
+                buffers, kept = [], written[2]
+        try:
+            reply: Ok = await self._ask(msg, Ok, conn=conn, buffers=buffers)
+        except BaseException:
+            self._writer.forget(kept)  # the unit may have mapped it, or map it still
+            raise
         if msg.shared:
             self._spares[unit] = list(reply.spare)
 

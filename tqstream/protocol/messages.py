@@ -85,10 +85,12 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Spare(msgspec.Struct, frozen=True, array_like=True):
-    """A recycled shared-memory segment of ``nbytes`` a client may claim for its next chunk."""
+    """A recycled shared-memory segment of ``nbytes`` a client may claim for its next chunk;
+    ``inode`` tells its writer it still maps it (0: not known)."""
 
     name: str
     nbytes: int
+    inode: int = 0
 
 
 class ColumnRef(msgspec.Struct, frozen=True):

@@ -25,11 +25,19 @@ cleaning up are removed by the next unit started on the host (its probe names th
 
 Fresh shared pages are expensive (the kernel allocates and zeroes each one), so a dropped chunk's
 segment is renamed ``tqs-<token>-p<n>`` and kept as a spare (a few, bounded in bytes) instead of
-being unlinked. A spare is offered for reuse only once *nobody else has it open or mapped* —
-checked with a write lease, which the kernel grants only then (a reader's mapping keeps the file
-open) — so a consumer's views are never overwritten. The unit lists its free spares in its answer to
-a shared ``Store``; the client's next put claims one by renaming it to its chunk's name (atomic: one
-claimant wins) and writes into pages that already exist.
+being unlinked. The unit lists its spares (name, size, inode) in its answer to a shared put; the
+client's next put claims one by renaming it to its segment's name (atomic: one claimant wins) and
+writes into pages that already exist. It writes a spare only once *nobody else has it open or
+mapped* — checked with a write lease on its own descriptor, which the kernel grants only then (a
+reader's mapping keeps the file open; so does the unit's while the chunk is stored) — so a
+consumer's views are never overwritten.
+
+A large segment's page tables cost more than the copy itself (populating and unmapping 64 MiB of
+4 KiB pages: ~8 ms, the copy ~3 ms), so a client keeps its shared mappings of the large segments it
+wrote (:class:`Writer`, bounded like the spares): when the unit offers one of them back as a spare,
+the next put copies into the mapping it still has. Its open descriptor is what the lease check
+sees, so nobody else claims a spare a client keeps; a kept segment the unit unlinked (a spare
+evicted, the unit gone) is let go at the client's next large put.
 """
 
 from __future__ import annotations
@@ -57,9 +65,9 @@ __all__ = [
     "SHM_DIR",
     "Segments",
     "UnitSegments",
+    "Writer",
     "available",
     "chunk_segment",
-    "claim",
     "direct_segment",
     "process_key",
     "reachable",
@@ -80,8 +88,9 @@ SPARE_BYTES = 1 << 30
 that writes several chunks (a batch and the columns added to it) recycles several at its clear,
 and the batch's own must still be there when the next batch is put."""
 MAPPED_WRITE_BYTES = 16 << 20
-"""Segments at least this large are written through a mapping of their own, smaller ones with
-``write()`` (a mapping's set-up costs more than it saves there)."""
+"""Segments at least this large are written through a mapping the writer keeps (:class:`Writer`),
+smaller ones with ``write()``: a mapping's set-up costs more than it saves there when it is not
+used again, and keeping mappings of every segment would hold pages nobody else could reuse."""
 ORPHAN_AGE = 300.0
 """Seconds after which a unit unlinks a direct put's segment that no ``PutRows`` came for (its
 client died between writing it and sending the put)."""
@@ -139,40 +148,23 @@ def segment_size(buffers: Sequence[Any]) -> int:
     return _layout([memoryview(b).nbytes for b in buffers])[1]
 
 
-def claim(spares: Sequence[Spare], name: str, size: int) -> str:
-    """Rename the smallest spare of ``size`` to ``2 * size`` bytes to ``name``; return the spare's
-    name, or "" when none fits or every fitting one was claimed first."""
-    for spare in sorted(spares, key=lambda s: s.nbytes):
-        if size <= spare.nbytes <= 2 * size and _NAME_SPARE.fullmatch(spare.name):
-            try:
-                os.rename(_path(spare.name), _path(name))
-            except OSError:
-                continue
-            return spare.name
-    return ""
-
-
-def write_segment(name: str, buffers: Sequence[Any], reuse: bool = False) -> list[Region]:
-    """Write ``buffers`` (one copy each) into segment ``name``, new or (``reuse``) a claimed spare
-    whose pages exist already; return their regions. On failure (e.g. ``ENOSPC``: /dev/shm is
-    full) nothing is left behind."""
+def write_segment(name: str, buffers: Sequence[Any]) -> list[Region]:
+    """Write ``buffers`` (one copy each) into a new segment ``name``; return their regions. On
+    failure (e.g. ``ENOSPC``: /dev/shm is full) nothing is left behind. A writer that puts again
+    uses a :class:`Writer` (spares, kept mappings) instead."""
     sizes = [memoryview(b).nbytes for b in buffers]
     offsets, size = _layout(sizes)
-    flags = os.O_RDWR if reuse else os.O_RDWR | os.O_CREAT | os.O_EXCL
-    fd = os.open(_path(name), flags, 0o600)
+    fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        # reserve every page first: a full /dev/shm fails here, not with SIGBUS in a reader (a
-        # spare's pages were reserved when it was made, and tmpfs keeps them)
-        if not reuse or os.fstat(fd).st_size < size:
-            os.posix_fallocate(fd, 0, size)
-        if size >= MAPPED_WRITE_BYTES:
-            _write_mapped(fd, size, buffers, offsets, sizes)
+        _reserve(fd, size)
+        if size >= MAPPED_WRITE_BYTES:  # write() copies page by page: half the speed there
+            mapped = _Kept(os.dup(fd), size)
+            try:
+                mapped.copy(buffers, offsets, sizes)
+            finally:
+                mapped.close()
         else:
-            for buf, off, n in zip(buffers, offsets, sizes, strict=True):
-                view = memoryview(buf).cast("B")
-                while n:  # write() without a mapping of our own: no page-table work
-                    done = os.pwrite(fd, view, off)
-                    view, off, n = view[done:], off + done, n - done
+            _pwrite(fd, buffers, offsets, sizes)
     except BaseException:
         unlink(name)
         raise
@@ -181,21 +173,154 @@ def write_segment(name: str, buffers: Sequence[Any], reuse: bool = False) -> lis
     return [Region(name, off, n) for off, n in zip(offsets, sizes, strict=True)]
 
 
-def _write_mapped(
-    fd: int, size: int, buffers: Sequence[Any], offsets: Sequence[int], sizes: Sequence[int]
-) -> None:
-    """Copy ``buffers`` into a shared mapping of the segment: its page tables made in one pass
-    (``MAP_POPULATE``), then memory copies (torch's, parallel, GIL released). ``write()`` would
-    copy page by page through the page cache at half that speed on large segments."""
-    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-    segment = torch.frombuffer(mapping, dtype=torch.uint8)
-    with warnings.catch_warnings():  # the sources are read-only buffers, only ever read here
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        for buf, off, n in zip(buffers, offsets, sizes, strict=True):
-            if n:
-                source = torch.frombuffer(memoryview(buf).cast("B"), dtype=torch.uint8)
-                segment[off : off + n].copy_(source)
-    del segment  # the mapping goes with its last view (here, or with a failure's traceback)
+def _reserve(fd: int, size: int) -> None:
+    # reserve every page first: a full /dev/shm fails here, not with SIGBUS in a reader (a spare's
+    # pages were reserved when it was made, and tmpfs keeps them)
+    if os.fstat(fd).st_size < size:
+        os.posix_fallocate(fd, 0, size)
+
+
+def _pwrite(fd: int, buffers: Sequence[Any], offsets: Sequence[int], sizes: Sequence[int]) -> None:
+    for buf, off, n in zip(buffers, offsets, sizes, strict=True):
+        view = memoryview(buf).cast("B")
+        while n:  # write() without a mapping of our own: no page-table work
+            done = os.pwrite(fd, view, off)
+            view, off, n = view[done:], off + done, n - done
+
+
+class _Kept:
+    """A writer's shared mapping of a segment it wrote, and the descriptor it was made from."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.inode = os.fstat(fd).st_ino
+        # page tables made in one pass (MAP_POPULATE): cheaper than a fault per page in the copy
+        self.mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        self.size = size
+
+    def copy(self, buffers: Sequence[Any], offsets: Sequence[int], sizes: Sequence[int]) -> None:
+        """Memory copies into the mapping (torch's, parallel, GIL released)."""
+        segment = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        with warnings.catch_warnings():  # the sources are read-only buffers, only ever read here
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            for buf, off, n in zip(buffers, offsets, sizes, strict=True):
+                if n:
+                    source = torch.frombuffer(memoryview(buf).cast("B"), dtype=torch.uint8)
+                    segment[off : off + n].copy_(source)
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # a copy's view not collected yet: it goes later
+            self.mapping.close()
+        os.close(self.fd)
+
+
+class Writer:
+    """How a client writes segments: into a unit's spares when one fits (pages that exist), and
+    through mappings it keeps for segments of ``MAPPED_WRITE_BYTES`` or more (see the module
+    docstring), at most ``SPARE_SEGMENTS`` of them and ``SPARE_BYTES`` in all, the least recently
+    written let go first. Smaller segments are written with ``write()``: a mapping's set-up costs
+    more than it saves there. Not thread-safe: one client's loop uses it."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, _Kept] = {}  # inode -> kept mapping, least recently written first
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(k.size for k in self._kept.values())
+
+    def write(
+        self, name: str, buffers: Sequence[Any], spares: list[Spare]
+    ) -> tuple[list[Region], str, int]:
+        """Write ``buffers`` into segment ``name`` (a claimed spare, renamed, or a new one); return
+        the regions, the claimed spare's name ("" for a new segment) and the inode of the mapping
+        kept (0: none), which :meth:`forget` must let go if the put fails. ``spares`` (the unit's,
+        last heard) loses the one claimed. On failure nothing is left behind and nothing kept."""
+        sizes = [memoryview(b).nbytes for b in buffers]
+        offsets, size = _layout(sizes)
+        self._let_go_unlinked()
+        reused, fd, kept = self._claim(spares, name, size)
+        spares[:] = [s for s in spares if s.name != reused]
+        try:
+            if kept is None:
+                if fd < 0:
+                    fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                _reserve(fd, size)
+                if size >= MAPPED_WRITE_BYTES:
+                    kept, fd = _Kept(fd, max(size, os.fstat(fd).st_size)), -1
+                    self._keep(kept)
+                else:
+                    _pwrite(fd, buffers, offsets, sizes)
+            if kept is not None:
+                kept.copy(buffers, offsets, sizes)
+        except BaseException:
+            unlink(name)
+            if kept is not None:
+                self.forget(kept.inode)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        regions = [Region(name, off, n) for off, n in zip(offsets, sizes, strict=True)]
+        return regions, reused, 0 if kept is None else kept.inode
+
+    def _claim(
+        self, spares: Sequence[Spare], name: str, size: int
+    ) -> tuple[str, int, _Kept | None]:
+        """Rename the smallest spare of ``size`` to ``2 * size`` bytes that nobody else holds to
+        ``name``, those this writer keeps a mapping of first: (the spare's name, a descriptor
+        of it or -1, the kept mapping or None); ("", -1, None) when none can be had."""
+        fitting = [
+            s for s in spares if size <= s.nbytes <= 2 * size and _NAME_SPARE.fullmatch(s.name)
+        ]
+        for spare in sorted(fitting, key=lambda s: (s.inode not in self._kept, s.nbytes)):
+            kept = self._kept.get(spare.inode) if spare.inode else None
+            if kept is not None:
+                fd = kept.fd
+            else:
+                try:
+                    fd = os.open(_path(spare.name), os.O_RDWR)
+                except OSError:
+                    continue  # claimed by another client, or evicted by the unit
+            # nobody else may hold it: a reader's mapping, the unit's, another writer's
+            claimed = _alone(fd) and _rename(spare.name, name)
+            if kept is not None:
+                if claimed:
+                    self._kept[spare.inode] = self._kept.pop(spare.inode)  # most recent now
+                    return spare.name, -1, kept
+            elif claimed:
+                return spare.name, fd, None
+            else:
+                os.close(fd)
+        return "", -1, None
+
+    def _keep(self, kept: _Kept) -> None:
+        self._kept[kept.inode] = kept
+        while len(self._kept) > SPARE_SEGMENTS or self.kept_bytes > SPARE_BYTES:
+            self.forget(next(iter(self._kept)))
+
+    def _let_go_unlinked(self) -> None:
+        for inode, kept in list(self._kept.items()):
+            if os.fstat(kept.fd).st_nlink == 0:  # the unit unlinked it: nobody offers it again
+                self.forget(inode)
+
+    def forget(self, inode: int) -> None:
+        """Let the kept mapping of ``inode`` go (a put that wrote it failed: whether the unit took
+        the segment is unknown, so it is never written again)."""
+        kept = self._kept.pop(inode, None)
+        if kept is not None:
+            kept.close()
+
+    def close(self) -> None:
+        for inode in list(self._kept):
+            self.forget(inode)
+
+
+def _rename(old: str, new: str) -> bool:
+    try:
+        os.rename(_path(old), _path(new))
+    except OSError:
+        return False
+    return True
 
 
 def _map(name: str) -> mmap.mmap:
@@ -273,7 +398,7 @@ class UnitSegments:
         self._bases: list[int] = []  # sorted start addresses of the mapped chunk segments
         self._spans: dict[int, tuple[int, str]] = {}  # start -> (end, name)
         self._chunk_names: dict[int, tuple[str, int, int]] = {}  # chunk -> (name, start, size)
-        self._spares: dict[str, tuple[int, bool]] = {}  # segment -> (size, free), oldest first
+        self._spares: dict[str, tuple[int, int]] = {}  # segment -> (size, inode), oldest first
         self._taken: dict[str, tuple[int, int]] = {}  # direct puts' segments -> (start, size)
         self._counter = 0
         self._next_sweep = time.monotonic() + ORPHAN_AGE
@@ -389,9 +514,10 @@ class UnitSegments:
         spare = f"tqs-{self.token}-p{self._counter}"
         try:
             os.rename(_path(name), _path(spare))
+            inode = os.stat(_path(spare)).st_ino
         except OSError:
             return False
-        self._spares[spare] = (size, False)
+        self._spares[spare] = (size, inode)
         while len(self._spares) > SPARE_SEGMENTS or self.spare_bytes > SPARE_BYTES:
             oldest = next(iter(self._spares))
             unlink(oldest)
@@ -399,17 +525,15 @@ class UnitSegments:
         return True
 
     def spares(self) -> list[Spare]:
-        """The recycled segments nobody holds any more (readers may still map the others), minus
-        those a client claimed since."""
+        """The recycled segments, minus those a client claimed since; readers may still map some
+        (a claimant checks that nobody holds the one it takes)."""
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + ORPHAN_AGE
             self.sweep_orphans()
-        for name, (size, free) in list(self._spares.items()):
+        for name in list(self._spares):
             if not os.path.exists(_path(name)):
                 del self._spares[name]
-            elif not free and _exclusive(_path(name)):
-                self._spares[name] = (size, True)
-        return [Spare(name, size) for name, (size, free) in self._spares.items() if free]
+        return [Spare(name, size, inode) for name, (size, inode) in self._spares.items()]
 
     def sweep_orphans(self, age: float = ORPHAN_AGE) -> int:
         """Unlink the direct puts' segments older than ``age`` seconds that nobody took (their
@@ -446,21 +570,16 @@ class UnitSegments:
         remove_segments(self.token)
 
 
-def _exclusive(path: str) -> bool:
-    """Whether no other open file or mapping holds ``path``: the kernel grants a write lease only
-    then (our readers' mappings keep a file open)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
+def _alone(fd: int) -> bool:
+    """Whether no open file or mapping but ``fd``'s own holds its file: the kernel grants a write
+    lease only then (a reader's mapping keeps a file open, a writer's mapping made from ``fd``
+    is ``fd``'s own)."""
     try:
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         return True
     except OSError:
         return False
-    finally:
-        os.close(fd)
 
 
 def remove_segments(token: str) -> None:
