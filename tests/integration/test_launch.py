@@ -191,3 +191,21 @@ def test_bad_flag_value() -> None:
     )
     assert out.returncode == 1
     assert "storage_units must be at least 1, got 0 (tqstream-launch --storage-units" in out.stderr
+
+
+@pytest.mark.parametrize("env", [None, "2"])
+def test_a_storage_unit_uses_one_torch_thread_unless_told(env: str | None) -> None:
+    """A unit's process runs torch with one intra-op thread (its copies serve many clients'
+    requests; spinning OpenMP workers would take their cores) unless OMP_NUM_THREADS is set."""
+    environ = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if env is not None:
+        environ["OMP_NUM_THREADS"] = env
+    code = (
+        "import torch; from tqstream.launch.worker import unit_threads; "
+        "before = torch.get_num_threads(); unit_threads(); print(before, torch.get_num_threads())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True
+    )
+    before, after = map(int, out.stdout.split()[-2:])
+    assert after == (1 if env is None else before)
