@@ -460,6 +460,10 @@ def test_take_slice_match_a_row_model(lengths, data):
     expect = [rows[i] for i in index] + rows[start:stop]
     got = Column.concat([col.take(index), roundtrip(col).slice(start, stop)])
     assert [t.tolist() for t in rows_of(got)] == [t.tolist() for t in expect]
+    if index:  # a row each (what coalesced trajectories are): the offsets built from the lengths
+        singles = Column.concat([col.slice(i, i + 1) for i in index])
+        assert [t.tolist() for t in rows_of(singles)] == [rows[i].tolist() for i in index]
+        assert singles.offsets is not None and singles.offsets.dtype == torch.int64
 
 
 # --- wire ----------------------------------------------------------------------------------------
