@@ -306,20 +306,38 @@ def test_writing_a_got_tensor_does_not_change_stored_rows(embedded: Client) -> N
     assert torch.equal(embedded.get_by_keys("p", meta.keys, ["x"]).data["x"], x)
 
 
-def test_large_gather_goes_through_a_segment_that_is_unlinked(
-    embedded: Client, writes: str
-) -> None:
-    """Rows spanning two chunks (>= 1 MiB gathered) come back right through a gather segment
-    whose name is gone when the get returns."""
-    a, b = torch.randn(GATHER_ROWS, 1024), torch.randn(GATHER_ROWS, 1024)
-    embedded.put({"x": a}, "p")
-    embedded.put({"x": b}, "p")
+def test_large_gathers_go_into_the_clients_receive_segments(embedded: Client, writes: str) -> None:
+    """Rows spanning two chunks (>= 1 MiB gathered) come back right through a segment the client
+    then keeps as its receive segment (no gather segment is left): a later gather is written into
+    those pages once the views of the earlier one are gone, never while they are held (another
+    segment takes it); the client's close unlinks them."""
+
+    def gather() -> torch.Tensor:
+        a, b = torch.randn(GATHER_ROWS, 1024), torch.randn(GATHER_ROWS, 1024)
+        embedded.put({"x": a}, "p")
+        embedded.put({"x": b}, "p")
+        got = embedded.get("p", "x", batch_size=2 * GATHER_ROWS, task="t", timeout=5).data["x"]
+        assert torch.equal(got, torch.cat([a, b]))
+        return got
+
+    first = gather()
     token = shm_tokens(embedded)[0]
-    got = embedded.get("p", "x", batch_size=2 * GATHER_ROWS, task="t", timeout=5).data["x"]
-    assert torch.equal(got, torch.cat([a, b]))
     assert segments(token, "g") == set()
-    path = mapping_of(got)[1]
-    assert path.startswith(f"{shm.SHM_DIR}/tqs-{token}-g") and path.endswith(" (deleted)"), path
+    assert mapped_path(first).startswith(f"{shm.SHM_DIR}/tqs-{token}-r")
+    held = first.clone()
+    second = gather()  # the first's views are alive: not written, another segment is
+    inodes = {os.stat(mapped_path(t)).st_ino for t in (first, second)}
+    assert len(inodes) == 2 and torch.equal(first, held)
+    del first, second
+    gc.collect()
+    for _ in range(3):  # the pages of the first two are written again
+        got = gather()
+        assert os.stat(mapped_path(got)).st_ino in inodes
+        del got
+        gc.collect()
+    assert len(segments(token, "r")) == 2 and segments(token, "g") == set()
+    core_of(embedded).close()
+    assert segments(token, "r") == set()
 
 
 def test_small_gather_goes_as_frames(embedded: Client) -> None:
@@ -375,7 +393,8 @@ def test_unit_without_a_visible_probe_gets_frames(embedded: Client) -> None:
 
 def test_clients_with_and_without_shared_memory_share_rows(embedded: Client) -> None:
     """Rows put through frames are read through shared memory and the other way round; a large
-    read of a chunk stored as frames comes through a gather segment that is unlinked."""
+    read of a chunk stored as frames comes through a segment of the reader's (no gather segment
+    is left)."""
     framed = tqstream.connect(embedded.address, tqstream.ClientConfig(shared_memory="off"))
 
     try:
@@ -385,7 +404,7 @@ def test_clients_with_and_without_shared_memory_share_rows(embedded: Client) -> 
         assert torch.equal(got, big)
         token = shm_tokens(embedded)[0]
         assert segments(token, "g") == set()
-        assert mapping_of(got)[1].startswith(f"{shm.SHM_DIR}/tqs-{token}-g")
+        assert mapping_of(got)[1].startswith(f"{shm.SHM_DIR}/tqs-{token}-r")
         data = rows(5)
         embedded.put(data, "b")
         assert segments(token, "c")

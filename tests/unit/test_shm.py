@@ -268,3 +268,76 @@ def test_unit_without_shared_memory_refuses_a_shared_store() -> None:
     finally:
         service.server._sock.close(linger=0)
         ctx.destroy(linger=0)
+
+
+# --- receive segments ----------------------------------------------------------------------------
+def test_gather_goes_into_the_smallest_fitting_receive_segment(unit: shm.UnitSegments) -> None:
+    """A gather is written into the smallest offered receive segment it fits (its pages exist);
+    offers too small, vanished, of another unit or not receive segments are passed over, and with
+    none left the gather gets a fresh segment."""
+    names = [f"tqs-{unit.token}-r{i}" for i in range(3)]
+    for name, size in zip(names, (100, 8192, 4096), strict=True):
+        with open(path(name), "wb") as f:
+            f.write(b"\xff" * size)
+    bufs = [bytes(range(200)), b"\x02" * 1000]
+    offers = [Spare(n, s) for n, s in zip(names, (100, 8192, 4096), strict=True)]
+    regions = unit.gather_segment(bufs, offers)
+    assert {r.name for r in regions} == {names[2]}  # 4096: the smallest of at least 1,280
+    with open(path(names[2]), "rb") as f:
+        data = f.read()
+    assert len(data) == 4096
+    for buf, r in zip(bufs, regions, strict=True):
+        assert data[r.offset : r.offset + r.nbytes] == buf
+    foreign = [
+        Spare(f"tqs-{'0' * 16}-r1", 8192),
+        Spare(f"tqs-{unit.token}-c1", 8192),
+        Spare(f"tqs-{unit.token}-r99", 8192),  # does not exist
+        Spare(names[0], 100),
+    ]
+    fresh = unit.gather_segment(bufs, foreign)
+    assert {r.name for r in fresh} == {f"tqs-{unit.token}-g1"}
+
+
+def test_receiver_offers_only_segments_nobody_holds(unit: shm.UnitSegments) -> None:
+    """A fresh gather segment becomes the client's receive segment once mapped; it is offered only
+    while no view maps it and no other Fetch has it; a failed Fetch's offers are let go (the unit
+    may write them still)."""
+    receiver = shm.Receiver(unit.token)
+    regions = unit.gather_segment([bytes(4096)])
+    receiver.done([], regions)
+    assert not os.path.exists(path(regions[0].name))  # renamed: the client's now
+    offered = receiver.offer()
+    assert len(offered) == 1 and offered[0].name.startswith(f"tqs-{unit.token}-r")
+    assert receiver.offer() == []  # in flight
+    views = shm.Segments(unit.token).view(unit.gather_segment([b"\x05" * 64], offered)[0])
+    receiver.done(offered, [shm.Region(offered[0].name, 0, 64)])
+    assert receiver.offer() == []  # a view maps it
+    del views
+    again = receiver.offer()
+    assert again == offered
+    receiver.failed(again)
+    assert not os.path.exists(path(again[0].name)) and receiver.offer() == []
+    receiver.close()
+
+
+def test_receiver_lets_go_of_swept_segments_and_keeps_a_bounded_few(
+    unit: shm.UnitSegments, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receive segment the unit swept (not written for ORPHAN_AGE) is let go at the next offer;
+    at most RECEIVE_SEGMENTS are kept, the least recently used let go (unlinked) first; close
+    unlinks the rest."""
+    monkeypatch.setattr(shm, "RECEIVE_SEGMENTS", 2)
+    receiver = shm.Receiver(unit.token)
+    for _ in range(3):
+        receiver.done([], unit.gather_segment([bytes(64)]))
+    kept = segments_of(unit.token, "r")
+    assert len(kept) == 2
+    assert unit.sweep_orphans(age=-1) == 2  # every receive segment is "old" here
+    assert receiver.offer() == [] and receiver._kept == {}
+    receiver.done([], unit.gather_segment([bytes(64)]))
+    receiver.close()
+    assert segments_of(unit.token, "r") == set()
+
+
+def segments_of(token: str, kind: str) -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"tqs-{token}-{kind}")}

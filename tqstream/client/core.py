@@ -97,9 +97,16 @@ GET_GRACE = 10.0
 """Extra seconds a client waits for a parked get beyond its server-side timeout."""
 
 
-def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) -> list[Any]:
-    """The reply's frames with the shared ones replaced by views of the unit's segments; a gather
-    segment is unlinked once mapped (its views keep the memory until they die)."""
+def _shared_frames(
+    token: str,
+    shared: Mapping[int, Region],
+    frames: list[Any],
+    receiver: shm.Receiver | None = None,
+    offered: Sequence[Spare] = (),
+) -> list[Any]:
+    """The reply's frames with the shared ones replaced by views of the unit's segments. Once
+    mapped, a fresh gather segment becomes ``receiver``'s (without one it is unlinked; its views
+    keep the memory until they die)."""
     segments = shm.Segments(token, missing=UnknownRowError)
     out: list[Any] = list(frames)
     try:
@@ -109,9 +116,12 @@ def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) 
                                     f"but has frames 1..{len(out) - 1}")  # fmt: skip
             out[i] = segments.view(region)
     finally:
-        for name in {r.name for r in shared.values()}:
-            if name.startswith(f"tqs-{token}-g"):
-                shm.unlink(name)
+        if receiver is not None:
+            receiver.done(offered, list(shared.values()))
+        else:
+            for name in {r.name for r in shared.values()}:
+                if name.startswith(f"tqs-{token}-g"):
+                    shm.unlink(name)
     return out
 
 
@@ -169,6 +179,7 @@ class ClientCore:
         self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
         self._spares: dict[int, list[Spare]] = {}  # unit -> its recycled segments, last we heard
         self._writer = shm.Writer()  # large segments' mappings kept for the next puts
+        self._receivers: dict[str, shm.Receiver] = {}  # unit token -> where gathered rows go
         self._background: set[asyncio.Task[None]] = set()
         self.release_elsewhere: Callable[[BatchMeta], None] | None = None
         """Set on a core whose loop runs only during calls: where ``release_soon`` sends leases
@@ -257,6 +268,9 @@ class ClientCore:
                 task.cancel()
         self._units.clear()
         self._writer.close()
+        for receiver in self._receivers.values():
+            receiver.close()
+        self._receivers.clear()
         self.controller.close()
         if self._owns_ctx:
             self.ctx.destroy(linger=0)
@@ -575,6 +589,12 @@ class ClientCore:
         except OSError:
             return None
 
+    def _receiver(self, token: str) -> shm.Receiver:
+        receiver = self._receivers.get(token)
+        if receiver is None:
+            receiver = self._receivers[token] = shm.Receiver(token)
+        return receiver
+
     def _direct_unit(self) -> int:
         """The unit a one-exchange put goes to: the next reachable one in turn, of those on this
         host if one of them is reachable, else of all."""
@@ -724,6 +744,8 @@ class ClientCore:
                 raise ConnectionLostError(f"the connection to storage unit {unit} is down")
             conn = await self._unit(unit)
             token = self._token(unit)
+            receiver = self._receiver(token) if token else None
+            offered = receiver.offer() if receiver is not None else []
             msg = Fetch(
                 rid=0,
                 partition=meta.partition,
@@ -731,8 +753,14 @@ class ClientCore:
                 fields=fields,
                 shared=bool(token),
                 local=unit in self.hosted,
+                into=offered,
             )
-            reply, frames = await self._ask(msg, Columns, conn=conn)
+            try:
+                reply, frames = await self._ask(msg, Columns, conn=conn)
+            except BaseException:
+                if receiver is not None:
+                    receiver.failed(offered)  # the unit may write them still
+                raise
         except (ConnectError, ConnectionLostError) as exc:
             replicas = [meta.replicas[i] for i in positions] if meta.replicas else []
             if replicas and all(r >= 0 and r != unit for r in replicas):
@@ -757,7 +785,9 @@ class ClientCore:
                 rows=len(keys),
             ) from exc
         if reply.shared:
-            frames = _shared_frames(token, reply.shared, frames)
+            frames = _shared_frames(token, reply.shared, frames, receiver, offered)
+        elif receiver is not None:
+            receiver.done(offered, [])
         return [(positions, {ref.name: column_from_wire(ref, frames) for ref in reply.columns})]
 
     async def get_by_keys(

@@ -349,6 +349,8 @@ class Fetch(_Msg, frozen=True, tag="fetch"):
     fields: Names
     shared: bool = False  # the client reads the unit's shared memory: answer with regions
     local: bool = False  # the reader is on the unit's host (counted in UnitStats.local_read_bytes)
+    # the client's receive segments tqs-<token>-r<n> nobody holds: gathered rows go into one
+    into: list[Spare] = []
 
 
 class PutRows(_Msg, frozen=True, tag="put_rows"):

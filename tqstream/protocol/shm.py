@@ -15,8 +15,12 @@ bytes through segments instead of ZMQ frames, which then carry only the msgpack 
   unlink finds nothing) or it will find nothing to take and refuse the put. A ``-d`` segment whose
   client died before sending it is swept by the unit after ``ORPHAN_AGE``.
 * get: the unit answers a ``Fetch`` with regions of the chunk segments when the rows sit in order in
-  one chunk (zero copy); gathered data above ``GATHER_SEGMENT_BYTES`` goes to a fresh segment
-  ``tqs-<token>-g<n>`` (one copy) that the client unlinks once mapped, smaller data as frames.
+  one chunk (zero copy); gathered data above ``GATHER_SEGMENT_BYTES`` is copied once into a segment
+  of the client's (:class:`Receiver`): one it offers in the ``Fetch`` (``into``), or else a fresh
+  ``tqs-<token>-g<n>`` that the client renames to ``tqs-<token>-r<n>``, its own, once mapped;
+  smaller data goes as frames. A client offers a segment only once nobody else holds it (the
+  write-lease check below: the views of an earlier get keep it mapped), so the pages of one get are
+  written again for the next instead of allocated afresh.
 
 Readers map segments copy-on-write (``MAP_PRIVATE``): tensors are views of the unit's pages, a write
 to one touches a private copy of that page only, and the pages stay valid after the unit unlinks the
@@ -63,6 +67,7 @@ from tqstream.protocol.messages import Region, Spare
 __all__ = [
     "GATHER_SEGMENT_BYTES",
     "SHM_DIR",
+    "Receiver",
     "Segments",
     "UnitSegments",
     "Writer",
@@ -93,10 +98,15 @@ smaller ones with ``write()``: a mapping's set-up costs more than it saves there
 used again, and keeping mappings of every segment would hold pages nobody else could reuse."""
 ORPHAN_AGE = 300.0
 """Seconds after which a unit unlinks a direct put's segment that no ``PutRows`` came for (its
-client died between writing it and sending the put)."""
-_NAME = re.compile(r"tqs-[0-9a-f]{16}-[cgl][0-9]+")
+client died between writing it and sending the put), and a client's receive segment written no
+more (its client died, or stopped reading: it lets go of the segment then)."""
+RECEIVE_SEGMENTS = 4
+"""A client keeps at most this many receive segments per storage unit (and at most
+``SPARE_BYTES`` of them), the least recently used let go first."""
+_NAME = re.compile(r"tqs-[0-9a-f]{16}-[cglr][0-9]+")
 _NAME_SPARE = re.compile(r"tqs-[0-9a-f]{16}-p[0-9]+")
 _NAME_DIRECT = re.compile(r"tqs-[0-9a-f]{16}-d[0-9]+")
+_NAME_RECEIVE = re.compile(r"tqs-[0-9a-f]{16}-r[0-9]+")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere the copy faults the pages in
 
 
@@ -313,6 +323,80 @@ class Writer:
     def close(self) -> None:
         for inode in list(self._kept):
             self.forget(inode)
+
+
+class Receiver:
+    """A client's receive segments at one storage unit (see the module docstring): what a
+    ``Fetch`` offers the unit to copy gathered rows into. Not thread-safe: one client's loop uses
+    it."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._kept: dict[str, tuple[int, int]] = {}  # name -> (descriptor, size), LRU first
+        self._busy: set[str] = set()  # offered to a Fetch not answered yet
+
+    def offer(self) -> list[Spare]:
+        """The segments nobody holds (no views of an earlier get alive, no Fetch in flight),
+        marked busy until :meth:`done` or :meth:`failed`."""
+        out = []
+        for name, (fd, size) in list(self._kept.items()):
+            if name in self._busy:
+                continue
+            if os.fstat(fd).st_nlink == 0:  # swept by the unit: nobody can write it any more
+                self._drop(name)
+            elif _alone(fd):
+                self._busy.add(name)
+                out.append(Spare(name, size))
+        return out
+
+    def done(self, offered: Sequence[Spare], regions: Sequence[Region]) -> None:
+        """A Fetch that offered ``offered`` was answered with ``regions`` (already mapped): the
+        offered segments are free again, the one written is the most recently used, and a fresh
+        gather segment becomes a receive segment of ours."""
+        for spare in offered:
+            self._busy.discard(spare.name)
+        for name in dict.fromkeys(r.name for r in regions):
+            if name in self._kept:
+                self._kept[name] = self._kept.pop(name)
+            elif name.startswith(f"tqs-{self.token}-g"):
+                self._adopt(name)
+
+    def failed(self, offered: Sequence[Spare]) -> None:
+        """A Fetch that offered ``offered`` failed or timed out: the unit may still write them,
+        so they are never offered again."""
+        for spare in offered:
+            self._busy.discard(spare.name)
+            self._drop(spare.name)
+
+    def _adopt(self, name: str) -> None:
+        mine = f"tqs-{self.token}-r{secrets.randbits(62)}"
+        if not _rename(name, mine):
+            unlink(name)
+            return
+        try:
+            fd = os.open(_path(mine), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            unlink(mine)
+            return
+        self._kept[mine] = (fd, os.fstat(fd).st_size)
+        while len(self._kept) > RECEIVE_SEGMENTS or sum(s for _, s in self._kept.values()) > (
+            SPARE_BYTES
+        ):
+            oldest = next((n for n in self._kept if n not in self._busy), None)
+            if oldest is None:
+                break
+            self._drop(oldest)
+
+    def _drop(self, name: str) -> None:
+        entry = self._kept.pop(name, None)
+        if entry is not None:
+            unlink(name)  # views of earlier gets keep their pages
+            os.close(entry[0])
+
+    def close(self) -> None:
+        for name in list(self._kept):
+            self._drop(name)
+        self._busy.clear()
 
 
 def _rename(old: str, new: str) -> bool:
@@ -537,11 +621,12 @@ class UnitSegments:
 
     def sweep_orphans(self, age: float = ORPHAN_AGE) -> int:
         """Unlink the direct puts' segments older than ``age`` seconds that nobody took (their
-        client died before sending the put); return how many."""
-        prefix, now, swept = f"tqs-{self.token}-d", time.time(), 0
+        client died before sending the put), and the receive segments not written for as long
+        (their client died or stopped reading); return how many."""
+        prefixes, now, swept = (f"tqs-{self.token}-d", f"tqs-{self.token}-r"), time.time(), 0
         with contextlib.suppress(OSError):
             for entry in os.scandir(SHM_DIR):
-                if not entry.name.startswith(prefix):
+                if not entry.name.startswith(prefixes):
                     continue
                 with contextlib.suppress(OSError):
                     st = entry.stat()
@@ -561,7 +646,27 @@ class UnitSegments:
         end, name = self._spans[start]
         return Region(name, addr - start, n) if addr + n <= end else None
 
-    def gather_segment(self, buffers: Sequence[Any]) -> list[Region]:
+    def gather_segment(self, buffers: Sequence[Any], into: Sequence[Spare] = ()) -> list[Region]:
+        """Copy ``buffers`` into the smallest fitting receive segment the client offered
+        (``into``), or else into a fresh segment ``tqs-<token>-g<n>``; return their regions."""
+        sizes = [memoryview(b).nbytes for b in buffers]
+        offsets, size = _layout(sizes)
+        for offer in sorted(into, key=lambda o: o.nbytes):
+            if offer.nbytes < size or not offer.name.startswith(f"tqs-{self.token}-r"):
+                continue
+            if not _NAME_RECEIVE.fullmatch(offer.name):
+                continue
+            try:
+                fd = os.open(_path(offer.name), os.O_RDWR | os.O_NOFOLLOW)
+            except OSError:
+                continue  # let go by its client, or swept
+            try:
+                if os.fstat(fd).st_size < size:
+                    continue
+                _pwrite(fd, buffers, offsets, sizes)  # its pages exist: no allocation
+            finally:
+                os.close(fd)
+            return [Region(offer.name, off, n) for off, n in zip(offsets, sizes, strict=True)]
         self._counter += 1
         return write_segment(f"tqs-{self.token}-g{self._counter}", buffers)
 

@@ -391,12 +391,13 @@ class StorageService:
         gathered = sum(memoryview(buffers[i - 1]).nbytes for i in rest)
         if rest and gathered >= shm.GATHER_SEGMENT_BYTES:
             try:
-                regions = self.segments.gather_segment([buffers[i - 1] for i in rest])
+                regions = self.segments.gather_segment([buffers[i - 1] for i in rest], msg.into)
             except OSError:  # e.g. /dev/shm is full: these buffers go as frames
                 regions = []
             for i, region in zip(rest, regions, strict=False):
                 shared[i], out[i - 1] = region, b""
-            if regions:
+            if regions and regions[0].name.startswith(f"tqs-{self.segments.token}-g"):
+                # a fresh segment: its client renames it (its receive segment) once mapped
                 loop = asyncio.get_running_loop()
                 loop.call_later(GATHER_UNLINK_DELAY, shm.unlink, regions[0].name)
         return Columns(rid=msg.rid, columns=refs, shared=shared), out
