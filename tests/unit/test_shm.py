@@ -341,3 +341,29 @@ def test_receiver_lets_go_of_swept_segments_and_keeps_a_bounded_few(
 
 def segments_of(token: str, kind: str) -> set[str]:
     return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"tqs-{token}-{kind}")}
+
+
+def test_writer_keeps_nothing_it_could_not_write_or_bound(
+    unit: shm.UnitSegments, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment alone over ``SPARE_BYTES`` is written and not kept; a copy that fails leaves no
+    segment and no mapping behind."""
+    monkeypatch.setattr(shm, "MAPPED_WRITE_BYTES", 0)
+    monkeypatch.setattr(shm, "SPARE_BYTES", 4096)
+    writer = shm.Writer()
+    big = shm.chunk_segment(unit.token, 1)
+    writer.write(big, [b"\x09" * 8192], [])
+    with open(path(big), "rb") as f:
+        assert f.read() == b"\x09" * 8192
+    assert writer._kept == {} and exclusive(path(big))
+
+    def broken(*args: object) -> None:
+        raise OSError(errno.EFAULT, "Bad address")
+
+    monkeypatch.setattr(shm._Kept, "copy", broken)
+    failed = shm.chunk_segment(unit.token, 2)
+    with pytest.raises(OSError, match="Bad address"):
+        writer.write(failed, [bytes(1024)], [])
+    assert not os.path.exists(path(failed)) and writer._kept == {}
+    writer.close()
+    shm.unlink(big)

@@ -250,26 +250,31 @@ class Writer:
         self._let_go_unlinked()
         reused, fd, kept = self._claim(spares, name, size)
         spares[:] = [s for s in spares if s.name != reused]
+        fresh: _Kept | None = None  # a mapping made for this write, kept once written
         try:
             if kept is None:
                 if fd < 0:
                     fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 _reserve(fd, size)
                 if size >= MAPPED_WRITE_BYTES:
-                    kept, fd = _Kept(fd, max(size, os.fstat(fd).st_size)), -1
-                    self._keep(kept)
+                    fresh = kept = _Kept(fd, max(size, os.fstat(fd).st_size))
+                    fd = -1
                 else:
                     _pwrite(fd, buffers, offsets, sizes)
             if kept is not None:
                 kept.copy(buffers, offsets, sizes)
         except BaseException:
             unlink(name)
-            if kept is not None:
+            if fresh is not None:
+                fresh.close()
+            elif kept is not None:
                 self.forget(kept.inode)
             raise
         finally:
             if fd >= 0:
                 os.close(fd)
+        if fresh is not None:
+            self._keep(fresh)  # let go at once if it alone is over the bound
         regions = [Region(name, off, n) for off, n in zip(offsets, sizes, strict=True)]
         return regions, reused, 0 if kept is None else kept.inode
 
@@ -598,9 +603,12 @@ class UnitSegments:
         spare = f"tqs-{self.token}-p{self._counter}"
         try:
             os.rename(_path(name), _path(spare))
-            inode = os.stat(_path(spare)).st_ino
         except OSError:
             return False
+        try:
+            inode = os.stat(_path(spare)).st_ino
+        except OSError:  # no inode: only its writer's kept mapping goes unused
+            inode = 0
         self._spares[spare] = (size, inode)
         while len(self._spares) > SPARE_SEGMENTS or self.spare_bytes > SPARE_BYTES:
             oldest = next(iter(self._spares))
