@@ -438,7 +438,7 @@ class Segments:
             if not _NAME.fullmatch(name) or not name.startswith(f"tqs-{self.token}-"):
                 raise MalformedMessageError(
                     f"shared-memory segment {name!r} is not one of this storage unit's "
-                    f"(tqs-{self.token}-c<chunk> or -g<n>)",
+                    f"(tqs-{self.token}-c<chunk>, -g<n> or -r<n>)",
                     segment=name,
                 )
             try:
