@@ -14,6 +14,7 @@ import secrets
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -916,3 +917,40 @@ def test_copy_returns_private_tensors_and_frees_the_segment(embedded: Client) ->
     assert torch.equal(got, x) and "tqs-" not in mapping_of(got)[1]
     embedded.clear_partition("p")
     assert all(mapped(name) == [] for name in segments(token, "p"))
+
+
+def test_a_restarted_unit_gets_new_receive_segments() -> None:
+    """A unit restarted under a new token: the client moves bytes as frames until it learnt the
+    new token (never naming the old one's segments), lets go of the old unit's receive segments
+    (swept with it) and gathers from the new one through segments of its own."""
+    with tqstream.ProcessCluster(storage_units=1) as cluster:
+        client = tqstream.connect(cluster.address, EVERY_SIZE)
+        try:
+            client.create_partition("scratch", ["x"])
+            for round_ in range(2):
+                client.create_partition(f"p{round_}", ["x"], tasks=["t"])
+                parts = [torch.full((GATHER_ROWS, 1024), float(i)) for i in range(2)]
+                for part in parts:
+                    client.put({"x": part}, f"p{round_}")
+                got = client.get(f"p{round_}", "x", batch_size=2 * GATHER_ROWS, task="t",
+                                 timeout=10).data["x"]  # fmt: skip
+                assert torch.equal(got, torch.cat(parts))
+                receiver = core_of(client)._receivers[0]
+                assert receiver._kept and mapped_path(got).startswith(
+                    f"{shm.SHM_DIR}/tqs-{receiver.token}-r"
+                )
+                del got
+                if round_ == 0:
+                    old = receiver
+                    cluster.restart_unit(0)
+                    # the first request after the reconnect asks the unit's new Welcome; one in
+                    # flight across the restart fails as lost (retry), never naming old segments
+                    deadline = time.monotonic() + 10
+                    while shm_tokens(client).get(0) in (None, old.token):
+                        assert time.monotonic() < deadline, "the new token was never learnt"
+                        with contextlib.suppress(tqstream.UnitLostError):
+                            client.put({"x": torch.zeros(1, 1024)}, "scratch")
+                        time.sleep(0.05)
+            assert receiver.token != old.token and old._kept == {}
+        finally:
+            client.close()

@@ -367,3 +367,13 @@ def test_writer_keeps_nothing_it_could_not_write_or_bound(
     assert not os.path.exists(path(failed)) and writer._kept == {}
     writer.close()
     shm.unlink(big)
+
+
+def test_a_reader_refuses_segments_that_are_not_the_units() -> None:
+    """A region naming another unit's segment, a spare or a direct put's segment is refused with
+    the names a unit serves from."""
+    token = secrets.token_hex(8)
+    reader = shm.Segments(token)
+    for name in (f"tqs-{'0' * 16}-c1", f"tqs-{token}-p1", f"tqs-{token}-d1", "../etc/passwd"):
+        with pytest.raises(tqstream.MalformedMessageError, match="is not one of this storage unit"):
+            reader.view(Region(name, 0, 8))

@@ -97,31 +97,15 @@ GET_GRACE = 10.0
 """Extra seconds a client waits for a parked get beyond its server-side timeout."""
 
 
-def _shared_frames(
-    token: str,
-    shared: Mapping[int, Region],
-    frames: list[Any],
-    receiver: shm.Receiver | None = None,
-    offered: Sequence[Spare] = (),
-) -> list[Any]:
-    """The reply's frames with the shared ones replaced by views of the unit's segments. Once
-    mapped, a fresh gather segment becomes ``receiver``'s (without one it is unlinked; its views
-    keep the memory until they die)."""
+def _shared_frames(token: str, shared: Mapping[int, Region], frames: list[Any]) -> list[Any]:
+    """The reply's frames with the shared ones replaced by views of the unit's segments."""
     segments = shm.Segments(token, missing=UnknownRowError)
     out: list[Any] = list(frames)
-    try:
-        for i, region in shared.items():
-            if not 1 <= i < len(out):
-                raise InternalError(f"the storage unit's reply puts frame {i} in shared memory, "
-                                    f"but has frames 1..{len(out) - 1}")  # fmt: skip
-            out[i] = segments.view(region)
-    finally:
-        if receiver is not None:
-            receiver.done(offered, list(shared.values()))
-        else:
-            for name in {r.name for r in shared.values()}:
-                if name.startswith(f"tqs-{token}-g"):
-                    shm.unlink(name)
+    for i, region in shared.items():
+        if not 1 <= i < len(out):
+            raise InternalError(f"the storage unit's reply puts frame {i} in shared memory, "
+                                f"but has frames 1..{len(out) - 1}")  # fmt: skip
+        out[i] = segments.view(region)
     return out
 
 
@@ -178,8 +162,9 @@ class ClientCore:
         self._units: dict[int, asyncio.Task[Connection]] = {}
         self._shm: dict[int, str] = {}  # unit -> token, for units reachable through shared memory
         self._spares: dict[int, list[Spare]] = {}  # unit -> its recycled segments, last we heard
+        self._stale: set[int] = set()  # units reconnected since their Welcome (maybe restarted)
         self._writer = shm.Writer()  # large segments' mappings kept for the next puts
-        self._receivers: dict[str, shm.Receiver] = {}  # unit token -> where gathered rows go
+        self._receivers: dict[int, shm.Receiver] = {}  # unit -> where its gathered rows go
         self._background: set[asyncio.Task[None]] = set()
         self.release_elsewhere: Callable[[BatchMeta], None] | None = None
         """Set on a core whose loop runs only during calls: where ``release_soon`` sends leases
@@ -306,7 +291,16 @@ class ClientCore:
             task = self._units[index] = asyncio.get_running_loop().create_task(
                 self._open_unit(index), name=f"tqstream-client-open-unit-{index}"
             )
-        return await asyncio.shield(task)
+        conn = await asyncio.shield(task)
+        if index in self._stale:  # dropped since its Welcome: ask whose shared memory it is now
+            self._stale.discard(index)
+            try:
+                hello = Hello(rid=0, protocol=PROTOCOL_VERSION)
+                self._learn_shm(index, await self._ask(hello, Welcome, conn=conn))
+            except BaseException:
+                self._stale.add(index)  # ask again next time
+                raise
+        return conn
 
     async def _open_unit(self, index: int) -> Connection:
         if index >= len(self.unit_addresses):  # a unit that registered after we connected
@@ -321,12 +315,22 @@ class ClientCore:
             )
         conn = await self._connect(self.ctx, self.unit_addresses[index], self.config, self.keys)
         conn.wake = self._wake
-        token = conn.welcome.shm
-        if self.config.shared_memory == "auto" and shm.reachable(token):
+        self._learn_shm(index, conn.welcome)
+        # the unit may come back as a new process (restarted at its address) with a new token:
+        # the next request to it asks its Welcome first (``_unit``)
+        conn.on_down = conn.on_up = lambda: self._stale.add(index)
+        return conn
+
+    def _learn_shm(self, index: int, welcome: Welcome) -> None:
+        token = welcome.shm
+        if self.config.shared_memory != "auto" or not shm.reachable(token):
+            token = ""
+        if token != self._shm.get(index, ""):
+            self._spares.pop(index, None)  # another process's (or none)
+        if token:
             self._shm[index] = token
         else:
             self._shm.pop(index, None)
-        return conn
 
     async def _ask(
         self,
@@ -589,10 +593,14 @@ class ClientCore:
         except OSError:
             return None
 
-    def _receiver(self, token: str) -> shm.Receiver:
-        receiver = self._receivers.get(token)
-        if receiver is None:
-            receiver = self._receivers[token] = shm.Receiver(token)
+    def _receiver(self, unit: int, token: str) -> shm.Receiver:
+        """``unit``'s receive segments; a unit restarted under a new token gets new ones (the old
+        unit's are let go: their names were swept with it)."""
+        receiver = self._receivers.get(unit)
+        if receiver is None or receiver.token != token:
+            if receiver is not None:
+                receiver.close()
+            receiver = self._receivers[unit] = shm.Receiver(token)
         return receiver
 
     def _direct_unit(self) -> int:
@@ -744,7 +752,7 @@ class ClientCore:
                 raise ConnectionLostError(f"the connection to storage unit {unit} is down")
             conn = await self._unit(unit)
             token = self._token(unit)
-            receiver = self._receiver(token) if token else None
+            receiver = self._receiver(unit, token) if token else None
             offered = receiver.offer() if receiver is not None else []
             msg = Fetch(
                 rid=0,
@@ -784,10 +792,12 @@ class ClientCore:
                 partition=meta.partition,
                 rows=len(keys),
             ) from exc
-        if reply.shared:
-            frames = _shared_frames(token, reply.shared, frames, receiver, offered)
-        elif receiver is not None:
-            receiver.done(offered, [])
+        if receiver is not None:
+            try:
+                if reply.shared:
+                    frames = _shared_frames(token, reply.shared, frames)
+            finally:  # mapped (or not there): a fresh gather segment becomes the receiver's
+                receiver.done(offered, list(reply.shared.values()))
         return [(positions, {ref.name: column_from_wire(ref, frames) for ref in reply.columns})]
 
     async def get_by_keys(
