@@ -222,6 +222,19 @@ def test_non_contiguous_input_is_made_contiguous_and_detached():
     assert roundtrip(cols["c"]).values.item() == 1 - 2j
 
 
+def test_a_one_row_ragged_field_is_made_contiguous_and_detached():
+    base = torch.arange(12.0, requires_grad=True).reshape(3, 4)
+    row = base.t()  # one row [4, 3], not contiguous, with a grad history
+    _, cols = columns_from_data({"x": [row]})
+    col = cols["x"]
+    assert col.schema == FieldSchema("ragged", "float32", (3,))
+    assert col.values.is_contiguous() and not col.values.requires_grad
+    assert col.offsets is not None and col.offsets.tolist() == [0, 4]
+    assert torch.equal(roundtrip(col).values, row.detach())
+    _, cols = columns_from_data({"x": [np.arange(5, dtype=np.int32)]})  # a numpy row
+    assert cols["x"].offsets.tolist() == [0, 5] and cols["x"].values.dtype == torch.int32
+
+
 def test_numpy_input():
     n, cols = columns_from_data(
         {"a": np.arange(6, dtype=np.int16).reshape(3, 2), "s": np.array(["x", "yy", ""])}
@@ -336,6 +349,22 @@ def test_non_tensor_values_inside_a_tensordict():
             SchemaError,
             "field 'a': row 1 is a 0-dim tensor; ragged rows are [L_i, ...]: use t.reshape(1) "
             "for a length-1 row, or a dense [n] tensor for one scalar per row",
+        ),
+        # one row (the one-trajectory path) says what many rows say
+        (
+            {"a": [torch.tensor(1.0)]},
+            SchemaError,
+            "field 'a': row 0 is a 0-dim tensor; ragged rows are [L_i, ...]",
+        ),
+        (
+            {"a": [torch.ones(2, 2).to_sparse()]},
+            SchemaError,
+            "field 'a': row 0: torch.sparse_coo tensors are unsupported; use .to_dense()",
+        ),
+        (
+            {"a": [torch.ones(2).to(torch.float8_e5m2)]},
+            SchemaError,
+            "field 'a': dtype torch.float8_e5m2 is unsupported; cast to bool, uint8",
         ),
         (
             {"a": ["x", object()]},

@@ -33,7 +33,12 @@ def row_versions(
             f"int[L]), got {col.schema.describe()}; pass versions_field=None to use only version=",
             field=name,
         )
-    flat = col.values.numpy().astype(np.int64, copy=False).reshape(-1)
+    flat = col.values.numpy().reshape(-1)
+    if col.n_rows == 1:  # one trajectory per put: no per-row bounds
+        if flat.shape[0] == 0 or (end := int(flat.max())) < 0:  # no generated token
+            return [fallback], [fallback]
+        return [int(flat[flat >= 0].min())], [end]
+    flat = flat.astype(np.int64, copy=False)
     if col.schema.kind == "ragged":  # numpy: small per-trajectory puts cost microseconds
         assert col.offsets is not None
         bounds = col.offsets.numpy()

@@ -37,6 +37,7 @@ from tqstream.types import FieldSchema
 __all__ = ["columns_from_data"]
 
 _I64 = torch.int64
+_STRIDED = torch.strided
 
 # --- messages (composed where raised; each says what was expected and what to do) ---------------
 _EXPECTED = (
@@ -123,6 +124,8 @@ def _column(name: str, value: Any) -> Column:
         return _given_column(name, value)
     if isinstance(value, torch.Tensor):
         return _tensor_column(name, value)
+    if isinstance(value, (list, tuple)):
+        return _list_column(name, value)
     if isinstance(value, np.ndarray):
         if value.ndim == 0:
             raise field_error(BatchShapeError, name, _NO_BATCH.format(what="a 0-dim numpy array"))
@@ -139,22 +142,23 @@ def _column(name: str, value: Any) -> Column:
     if _is(value, "TensorDictBase"):
         msg = "nested TensorDicts are not supported; flatten them first (td.flatten_keys('.'))"
         raise field_error(SchemaError, name, msg)
-    if isinstance(value, (list, tuple)):
-        tensors = sum(isinstance(v, (torch.Tensor, np.ndarray)) for v in value)
-        if value and tensors == len(value):
-            return _ragged_column(name, value)
-        if tensors:
-            msg = f"the list mixes {tensors} tensors with {len(value) - tensors} other values"
-            raise field_error(
-                SchemaError, name, msg + "; a ragged field needs a tensor in every row"
-            )
-        numeric = _numeric_rows(value)
-        if numeric is not None:
-            return numeric if isinstance(numeric, Column) else _ragged_column(name, numeric)
-        return _object_column(name, value)
     raise field_error(
         SchemaError, name, f"unsupported value of type {type(value).__name__}; {_EXPECTED}"
     )
+
+
+def _list_column(name: str, value: Sequence[Any]) -> Column:
+    """A list of tensors (ragged rows), of numbers or number lists, or of object values."""
+    tensors = sum(isinstance(v, (torch.Tensor, np.ndarray)) for v in value)
+    if value and tensors == len(value):
+        return _ragged_column(name, value)
+    if tensors:
+        msg = f"the list mixes {tensors} tensors with {len(value) - tensors} other values"
+        raise field_error(SchemaError, name, msg + "; a ragged field needs a tensor in every row")
+    numeric = _numeric_rows(value)
+    if numeric is not None:
+        return numeric if isinstance(numeric, Column) else _ragged_column(name, numeric)
+    return _object_column(name, value)
 
 
 _NUMBER = (bool, int, float)
@@ -204,8 +208,9 @@ def _cpu(name: str, t: torch.Tensor, where: str = "") -> torch.Tensor:
         raise field_error(
             SchemaError, name, f"{where}dtype {t.dtype} is unsupported; cast to {KNOWN_DTYPES}"
         )
-    t = t.detach()
-    if t.device.type != "cpu":
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
         t = t.cpu()
     if t.dtype.is_complex:  # only complex tensors carry lazy conjugate / negative bits
         t = t.resolve_conj().resolve_neg()
@@ -261,6 +266,11 @@ def _given_column(name: str, col: Column) -> Column:
 
 
 def _ragged_column(name: str, items: Sequence[Any]) -> Column:
+    if len(items) == 1 and type(t := items[0]) is torch.Tensor and t.ndim and t.layout == _STRIDED:
+        # one trajectory per put (an agent loop's put): the row is the values, and this path
+        # skips the per-row checks that only matter between rows
+        values = _cpu(name, t)
+        return Column(_ragged_schema(values), values, _one_row_offsets(values.shape[0]))
     rows: list[torch.Tensor] = []
     for i, item in enumerate(items):
         t = _from_numpy(name, item) if isinstance(item, np.ndarray) else item
@@ -284,6 +294,10 @@ def _ragged_column(name: str, items: Sequence[Any]) -> Column:
     offsets = np.zeros(len(rows) + 1, np.int64)  # numpy: a fraction of torch.tensor's cost
     offsets[1:] = list(itertools.accumulate(t.shape[0] for t in rows))
     return Column(_ragged_schema(values), values, torch.from_numpy(offsets))
+
+
+def _one_row_offsets(length: int) -> torch.Tensor:
+    return torch.from_numpy(np.array((0, length), np.int64))  # a fraction of torch.tensor's cost
 
 
 def _ragged_schema(t: torch.Tensor) -> FieldSchema:
