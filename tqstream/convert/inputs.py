@@ -266,11 +266,12 @@ def _given_column(name: str, col: Column) -> Column:
 
 
 def _ragged_column(name: str, items: Sequence[Any]) -> Column:
-    if len(items) == 1 and type(t := items[0]) is torch.Tensor and t.ndim and t.layout == _STRIDED:
-        # one trajectory per put (an agent loop's put): the row is the values, and this path
-        # skips the per-row checks that only matter between rows
-        values = _cpu(name, t)
-        return Column(_ragged_schema(values), values, _one_row_offsets(values.shape[0]))
+    """Ragged rows from ``items``, each a tensor or a numpy array."""
+    if len(items) == 1:  # one trajectory per put (an agent loop's put): the row is the values
+        t = _from_numpy(name, items[0]) if isinstance(items[0], np.ndarray) else items[0]
+        if t.ndim and t.layout == _STRIDED:  # else the checks below say what is wrong
+            values = _cpu(name, t)
+            return Column(_ragged_schema(values), values, _one_row_offsets(values.shape[0]))
     rows: list[torch.Tensor] = []
     for i, item in enumerate(items):
         t = _from_numpy(name, item) if isinstance(item, np.ndarray) else item
@@ -284,13 +285,10 @@ def _ragged_column(name: str, items: Sequence[Any]) -> Column:
             msg = _RAGGED_MISMATCH.format(first=first, this=this, i=i)
             raise field_error(SchemaError, name, msg, row=i)
         rows.append(t)
-    if len(rows) == 1:  # one trajectory per put: the row is the values, no concatenation
-        values = _cpu(name, rows[0])
-    else:
-        if len({t.device for t in rows}) > 1:
-            rows = [t.cpu() for t in rows]
-        with torch.no_grad():  # one copy on the rows' device, then (accelerators) one transfer
-            values = _cpu(name, torch.cat(rows))
+    if len({t.device for t in rows}) > 1:
+        rows = [t.cpu() for t in rows]
+    with torch.no_grad():  # one copy on the rows' device, then (accelerators) one transfer
+        values = _cpu(name, torch.cat(rows))
     offsets = np.zeros(len(rows) + 1, np.int64)  # numpy: a fraction of torch.tensor's cost
     offsets[1:] = list(itertools.accumulate(t.shape[0] for t in rows))
     return Column(_ragged_schema(values), values, torch.from_numpy(offsets))

@@ -292,11 +292,6 @@ class Connection:
                 raise _Expired
         return fut.result()
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The loop the connection runs on (``move_to`` changes it)."""
-        return self._loop
-
     def close(self) -> None:
         """Fail pending requests with ``ClosedError``, stop watching, close the sockets.
         Idempotent; call on the connection's loop thread (or while nothing else uses it)."""
