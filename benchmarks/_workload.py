@@ -89,8 +89,11 @@ class Concurrency:
 class Producers:
     """``producers`` processes each put ``rows / producers`` rows, ``group`` rows per put (one
     trajectory, or one group of a prompt's samples), ``in_flight`` puts at a time (1: one after
-    the other; more: that many asyncio tasks each putting its next trajectory as soon as its last
-    put returned, as an agent-loop worker hands over the rollouts it runs at once), while one
+    the other; more: that many asyncio tasks, as an agent-loop worker hands over the rollouts it
+    runs at once, each putting its next trajectory as soon as its last put returned or, with
+    ``rate`` (rows/s offered by all producers together), each trajectory put when it ends, at the
+    times of a Poisson process of that rate, ``in_flight`` puts at most at once: below the
+    system's limit, put latency is the put's own, not the queue of a saturated loop), while one
     consumer reads ``batch`` rows at a time and acks them. Trajectory lengths are uniform in
     ``[min_length, max_length]``, the first ``prompt`` tokens of each carry version -1.
     ``warmup_rows`` go through once, untimed, before the measured rounds (connections, worker
@@ -106,6 +109,7 @@ class Producers:
     rounds: int = 1
     warmup_rows: int = 256
     in_flight: int = 1
+    rate: float = 0.0
 
     def __post_init__(self) -> None:
         # every producer puts the same number of whole puts; the consumer reads whole batches
@@ -124,6 +128,8 @@ class Producers:
     def case(self) -> str:
         what = "1 trajectory" if self.group == 1 else f"1 group of {self.group}"
         flight = f", {self.in_flight} puts in flight each" if self.in_flight > 1 else ""
+        if self.rate:
+            flight = f", {self.in_flight} rollouts each, offered {self.rate:,.0f} rows/s"
         return (
             f"{self.producers} producers x {what} per put{flight}, L {self.min_length}-"
             f"{self.max_length}, batches of {self.batch}, {self.rows} rows"
@@ -161,6 +167,10 @@ PRODUCERS = {
     "group": Producers(group=8, rows=4096),
     # an agent-loop worker: 32 rollouts at once per process, each handed over when it ends
     "agent": Producers(group=1, rows=4096, in_flight=32),
+    # the same workers, their rollouts ending at random times (Poisson) at 40x the rows/s that
+    # TransferQueue reaches with one trajectory per put on 2 cores (~100): whether a system keeps
+    # up with that rate when puts do not arrive together, and its put latency there
+    "agent-paced": Producers(group=1, rows=4096, in_flight=32, rate=4000.0),
 }
 METADATA_ROWS = (10**3, 10**4, 10**5, 10**6)
 SWEEP_BATCHES = (16, 64, 256, 1024)

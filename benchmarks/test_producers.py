@@ -1,13 +1,14 @@
 """producers: P producer processes (8) each put one trajectory, or one group of 8, at a time
-(ragged, 768-1280 tokens) while one consumer in the benchmark process reads batches of 256 rows
-and acks them. A round is the exchange of a fixed number of rows (2048 trajectories, 4096 rows
-in groups), from the producers' common start to the last batch acked, so rows / round time is
-the sustained rate. Producers time each of their own puts and send the times back: p50 / p99 go
-into ``extra_info``, and for a tqstream process cluster the CPU time its controller and its
-storage units used during the timed rounds, per row (``controller_cpu_us_per_row``,
-``units_cpu_us_per_row``: user + system, every thread, from ``/proc``). Every round checks that
-no row was lost or read twice and nothing is left stored; the untimed warmup exchange also
-compares the data.
+(ragged, 768-1280 tokens) — or 32 trajectories in flight, put as soon as they can be or at the times
+of a Poisson process of a set rate (``_workload.Producers``) — while one consumer in the benchmark
+process reads batches of 256 rows and acks them. A round is the exchange of a fixed number of rows
+(2048 trajectories, 4096 rows in groups), from the producers' common start to the last batch acked,
+so rows / round time is the sustained rate. Producers time each of their own puts and send the times
+back: p50 / p99 go into ``extra_info``, and for a tqstream process cluster the CPU time its
+controller and its storage units used during the timed rounds, per row
+(``controller_cpu_us_per_row``, ``units_cpu_us_per_row``: user + system, every thread, from
+``/proc``). Every round checks that no row was lost or read twice and nothing is left stored; the
+untimed warmup exchange also compares the data.
 
 The producer processes are spawned once per session and connected to one system after another
 (to the Ray-based systems as drivers of the benchmark's Ray cluster); each gets one job per
@@ -28,6 +29,7 @@ import logging
 import math
 import multiprocessing
 import os
+import random
 import statistics
 import time
 import traceback
@@ -287,7 +289,7 @@ def producer_main(conn: Connection, start: Any) -> None:
                 start.wait(WAIT)
                 times: list[float] = []
                 if job.config.in_flight > 1:
-                    flight = _in_flight(producer, items, job.tag, job.config.in_flight, times)
+                    flight = _in_flight(producer, items, job, times)
                     loop.run_until_complete(flight)
                 else:
                     for item in items:
@@ -311,18 +313,46 @@ def producer_main(conn: Connection, start: Any) -> None:
 
 
 async def _in_flight(
-    producer: Producer, items: list[Trajectories], tag: str, tasks: int, times: list[float]
+    producer: Producer, items: list[Trajectories], job: Job, times: list[float]
 ) -> None:
-    """``tasks`` rollouts at once: each task puts the next trajectory when its last put returned."""
-    queue = iter(items)
+    """``in_flight`` rollouts at once: each task puts the next trajectory when its last put
+    returned; with a ``rate``, trajectories end at the times of a Poisson process instead (this
+    producer's share of the rate) and each is put then, ``in_flight`` puts at most at once."""
+    c = job.config
 
-    async def rollouts() -> None:
-        for item in queue:
-            began = time.perf_counter()
-            await producer.async_put(item, tag)
-            times.append(time.perf_counter() - began)
+    async def put(item: Trajectories) -> None:
+        began = time.perf_counter()
+        await producer.async_put(item, job.tag)
+        times.append(time.perf_counter() - began)
 
-    await asyncio.gather(*(rollouts() for _ in range(tasks)))
+    if not c.rate:
+        queue = iter(items)
+
+        async def rollouts() -> None:
+            for item in queue:
+                await put(item)
+
+        await asyncio.gather(*(rollouts() for _ in range(c.in_flight)))
+        return
+    gaps = random.Random(job.seed)
+    mean = c.producers * c.group / c.rate  # seconds between this producer's puts, on average
+    slots = asyncio.Semaphore(c.in_flight)
+    loop = asyncio.get_running_loop()
+    due = loop.time()
+
+    async def paced(item: Trajectories) -> None:
+        try:
+            await put(item)
+        finally:
+            slots.release()
+
+    tasks = []
+    for item in items:
+        due += gaps.expovariate(1.0 / mean)
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        await slots.acquire()
+        tasks.append(asyncio.create_task(paced(item)))
+    await asyncio.gather(*tasks)
 
 
 class Pool:

@@ -155,7 +155,9 @@ class ClientConfig:
     """Seconds a one-exchange put waits for other puts of this client to go with it: concurrent
     puts to one partition (``async_put`` from many tasks, ``put`` from many threads) go to a storage
     unit as one message and one commit, each caller getting its own rows (docs/architecture.md).
-    0: those issued in the same turn of the client's event loop, no added wait; None: never."""
+    0: those issued in the same turn of the client's event loop, no added wait; None: never. Puts
+    issued while the client has puts of their kind in flight to every unit they go to also wait
+    for one of those to end, and go together (any window but None)."""
 
     def __post_init__(self) -> None:
         _check(self, "")

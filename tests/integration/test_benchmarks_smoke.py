@@ -28,8 +28,8 @@ def test_benchmark_suite_runs() -> None:
 
 def test_producers_benchmark_reports_rates_and_ratios() -> None:
     """The producers scenario at its smallest (2 producers, 16 puts each) through the report: one
-    table per variant (one trajectory, a group, 32 trajectories in flight) with rows/s, put p50 /
-    p99 and tqstream's rows/s over each system's."""
+    table per variant (one trajectory, a group, 32 trajectories in flight, the same paced) with
+    rows/s, put p50 / p99 and tqstream's rows/s over each system's."""
     systems = ["tqstream-embedded", "transferqueue"]
     cmd = [
         sys.executable, "-m", "benchmarks.report", "-k", "producers", "--bench-quick",
@@ -43,6 +43,7 @@ def test_producers_benchmark_reports_rates_and_ratios() -> None:
         "producers — 2 producers x 1 group of 8 per put",
         "producers — 2 producers x 1 trajectory per put",
         "producers — 2 producers x 1 trajectory per put, 32 puts in flight each",
+        "producers — 2 producers x 1 trajectory per put, 32 rollouts each, offered 4,000 rows/s",
     ]
     has_tq = all(importlib.util.find_spec(p) for p in ("ray", "transfer_queue"))
     installed = [s for s in systems if s != "transferqueue" or has_tq]

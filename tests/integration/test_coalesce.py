@@ -241,3 +241,114 @@ def test_puts_that_grow_past_direct_put_bytes_together_are_placed(
         got = c.get(partition, "x", 4, "t", timeout=10)
         values = sorted(float(v) for v in got.data["x"][:, 0])
         assert values == [0.0, 1.0, 2.0, 3.0]
+
+
+class Held:
+    """One-exchange puts held before they are sent until ``release``: ``sends`` counts them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sends: list[int] = []
+        self.released = threading.Event()  # the client's loop may be another thread's
+        send = ClientCore._put_direct
+
+        async def held(core: ClientCore, req: Any, *args: Any) -> Any:
+            self.sends.append(req.n_rows)
+            while not self.released.is_set():
+                await asyncio.sleep(0.001)
+            return await send(core, req, *args)
+
+        monkeypatch.setattr(ClientCore, "_put_direct", held)
+
+    async def sent(self, n: int) -> None:
+        while len(self.sends) < n:
+            await asyncio.sleep(0.001)
+
+    async def in_flight(self, puts: Any) -> list[asyncio.Future[Any]]:
+        """Issue ``puts`` (coroutines) one loop turn apart, each in flight before the next."""
+        out = []
+        for i, put in enumerate(puts):
+            out.append(asyncio.ensure_future(put))
+            await self.sent(i + 1)
+        return out
+
+    @staticmethod
+    async def apart(puts: Any) -> list[asyncio.Future[Any]]:
+        """Issue ``puts`` in loop turns of their own."""
+        out = []
+        for put in puts:
+            out.append(asyncio.ensure_future(put))
+            await asyncio.sleep(0.001)
+        return out
+
+
+def units(deployment: tuple[str, str]) -> int:
+    """Puts of one kind that go at once: one per storage unit (both on this host)."""
+    return 1 if deployment[0] == "embedded" else 2
+
+
+def test_puts_issued_while_one_is_in_flight_go_together_after_it(
+    deployment: tuple[str, str], client: tqstream.Client, partition: str, monkeypatch: Any
+) -> None:
+    held, n = Held(monkeypatch), units(deployment)
+
+    async def go() -> list[Any]:
+        first = await held.in_flight(client.async_put(trajectory(i), partition) for i in range(n))
+        rest = await held.apart(client.async_put(trajectory(i), partition) for i in range(n, 8))
+        await asyncio.sleep(0.05)
+        assert held.sends == [1] * n  # the others wait for a put of theirs to end
+        held.released.set()
+        return list(await asyncio.gather(*first, *rest))
+
+    metas = asyncio.run(go())
+    assert held.sends == [1] * n + [8 - n]  # issued in turns apart, sent as one
+    assert [len(m) for m in metas] == [1] * 8 and len({m.row_ids[0] for m in metas}) == 8
+    got = client.get(partition, ["reward"], 8, "t", timeout=10)
+    assert sorted(float(r) for r in got.data["reward"]) == [float(i) for i in range(8)]
+    client.ack(got.meta)
+
+
+def test_a_refused_put_in_flight_lets_the_waiting_ones_go(
+    deployment: tuple[str, str], client: tqstream.Client, partition: str, monkeypatch: Any
+) -> None:
+    n = units(deployment)
+    for i in range(n):
+        client.put(trajectory(i), partition, keys=[f"taken{i}"])
+    held = Held(monkeypatch)
+
+    async def go() -> list[Any]:
+        taken = (client.async_put(trajectory(i), partition, keys=[f"taken{i}"]) for i in range(n))
+        first = await held.in_flight(taken)
+        rest = await held.apart(client.async_put(trajectory(9), partition, keys=[k]) for k in "abc")
+        held.released.set()
+        return list(await asyncio.gather(*first, *rest, return_exceptions=True))
+
+    out = asyncio.run(go())
+    assert all(isinstance(x, DuplicateKeyError) for x in out[:n])
+    assert [m.keys for m in out[n:]] == [["a"], ["b"], ["c"]]
+    assert held.sends == [1] * n + [3]
+    assert sorted(client.list_keys(partition)) == sorted([*"abc", *(f"taken{i}" for i in range(n))])
+
+
+def test_a_put_cancelled_while_waiting_for_one_in_flight_is_not_made(
+    deployment: tuple[str, str], client: tqstream.Client, partition: str, monkeypatch: Any
+) -> None:
+    held, n = Held(monkeypatch), units(deployment)
+
+    async def go() -> tuple[Any, ...]:
+        first = await held.in_flight(
+            client.async_put(trajectory(i), partition, keys=[f"k{i}"]) for i in range(n)
+        )
+        leader, other = await held.apart(
+            client.async_put(trajectory(9), partition, keys=[k]) for k in ("x", "y")
+        )
+        leader.cancel()  # the one that would have sent both
+        await asyncio.sleep(0.01)
+        held.released.set()
+        return tuple(await asyncio.gather(*first, leader, other, return_exceptions=True))
+
+    made = asyncio.run(go())
+    leader, other = made[-2:]
+    assert all(len(m) == 1 for m in made[:-2])
+    assert isinstance(leader, asyncio.CancelledError) and other.keys == ["y"]
+    assert held.sends == [1] * n + [1]
+    assert sorted(client.list_keys(partition)) == sorted(["y", *(f"k{i}" for i in range(n))])

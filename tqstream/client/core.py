@@ -26,7 +26,7 @@ import contextlib
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -175,6 +175,8 @@ class ClientCore:
         self._placed: set[str] = set()  # partitions whose puts the controller must place
         self._paired: set[str] = set()  # partitions of two copies: one-exchange puts go in pairs
         self._coalescing: dict[Hashable, list[coalesce.Pending]] = {}  # puts about to be sent
+        self._sending: dict[Hashable, int] = {}  # merge key -> its puts in flight
+        self._sent: dict[Hashable, asyncio.Future[None]] = {}  # merge key -> one of them ended
         self._consuming: list[tuple[Ack | Release, asyncio.Future[int]]] | None = None  # acks
 
     @classmethod
@@ -440,8 +442,9 @@ class ClientCore:
 
     async def _coalesced(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
         """Send the put with the others issued with it (``coalesce.py``); its own rows back. The
-        first put of a merge key waits a loop turn (or the window) for the others to join, then
-        sends them all."""
+        first put of a merge key waits a loop turn (or the window) for the others to join, and
+        while puts of its key are in flight to every unit they go to, for one of them to end;
+        then it sends them all."""
         loop = asyncio.get_running_loop()
         key = coalesce.merge_key(req)
         answer: asyncio.Future[BatchMeta] = loop.create_future()
@@ -453,6 +456,11 @@ class ClientCore:
         self._coalescing[key] = [mine]
         try:
             await asyncio.sleep(self.config.coalesce_window or 0.0)
+            while self._sending.get(key, 0) >= self._units_in_turn():
+                sent = self._sent.get(key)
+                if sent is None or sent.done():
+                    sent = self._sent[key] = loop.create_future()
+                await sent
         except BaseException:
             answer.cancel()  # cancelled before anything was sent: this put is not made
             raise
@@ -462,15 +470,42 @@ class ClientCore:
             puts = [p for p in self._coalescing.pop(key) if not p.answer.done()]
             if len(puts) > 1 or (puts and puts[0] is not mine):
                 for batch in coalesce.batches(puts):
-                    task = loop.create_task(self._put_batch(batch))
+                    task = loop.create_task(self._put_batch(key, batch))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
         if len(puts) == 1 and puts[0] is mine:
-            return await self._put_one(req, columns)
+            with self._in_flight(key):
+                return await self._put_one(req, columns)
         return await answer
 
-    async def _put_batch(self, puts: list[coalesce.Pending]) -> None:
+    def _units_in_turn(self) -> int:
+        """How many puts of one merge key may be in flight before the next ones wait to go
+        together: one per unit that one-exchange puts go to (those of this host, if any)."""
+        n = len(self.unit_addresses)
+        return max(1, sum(1 for u in self.near if u < n) or n)
+
+    @contextlib.contextmanager
+    def _in_flight(self, key: Hashable) -> Iterator[None]:
+        """Count a put of ``key`` in flight; its end wakes the put waiting to follow it."""
+        self._sending[key] = self._sending.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._sending[key] - 1
+            if left:
+                self._sending[key] = left
+            else:
+                del self._sending[key]
+            sent = self._sent.pop(key, None)
+            if sent is not None and not sent.done():
+                sent.set_result(None)
+
+    async def _put_batch(self, key: Hashable, puts: list[coalesce.Pending]) -> None:
         """One put for ``puts``; refused, each is made on its own (its own answer)."""
+        with self._in_flight(key):
+            await self._put_merged(puts)
+
+    async def _put_merged(self, puts: list[coalesce.Pending]) -> None:
         try:
             if len(puts) == 1:
                 result: Any = [await self._put_one(puts[0].req, puts[0].columns)]
