@@ -7,6 +7,11 @@ put; each caller gets the metadata of its own rows. The merged put is refused as
 all (the controller validates before it changes anything), so a refusal costs one more round: each
 put is then made on its own and gets its own answer, as if it had never been merged.
 
+While a client has puts of one merge key in flight to every unit they go to, the next one waits
+for one of them to end (:class:`Flights`) and the puts issued meanwhile go with it: group commit,
+so that puts issued in loop turns of their own (rollouts ending one by one) coalesce under load,
+and a lone put never waits.
+
 Merging never changes what a put means: rows keep their own versions, tags and groups. A group
 named without ``group_size`` takes its size from its rows in that put, so such puts that name the
 same group are never merged with each other.
@@ -14,8 +19,10 @@ same group are never merged with each other.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -108,3 +115,34 @@ def split(meta: BatchMeta, puts: Sequence[Pending]) -> list[BatchMeta]:
         out.append(msgspec.structs.replace(mine, rejected=p.req.rejected))
         start = stop
     return out
+
+
+class Flights:
+    """The puts of each merge key in flight, and the one put of a key that waits for one of them
+    to end. Used from one event loop."""
+
+    def __init__(self) -> None:
+        self._count: dict[Hashable, int] = {}
+        self._ended: dict[Hashable, asyncio.Future[None]] = {}
+
+    async def below(self, key: Hashable, limit: int) -> None:
+        """Return once fewer than ``limit`` puts of ``key`` are in flight."""
+        while self._count.get(key, 0) >= limit:
+            ended = self._ended.get(key)
+            if ended is None or ended.done():  # done: cancelled with a waiter that was
+                ended = self._ended[key] = asyncio.get_running_loop().create_future()
+            await ended
+
+    @contextlib.contextmanager
+    def flying(self, key: Hashable) -> Iterator[None]:
+        """A put of ``key`` in flight for the block; its end wakes the put waiting to follow."""
+        self._count[key] = self._count.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._count.pop(key) - 1
+            if left:
+                self._count[key] = left
+            ended = self._ended.pop(key, None)
+            if ended is not None and not ended.done():
+                ended.set_result(None)

@@ -26,7 +26,7 @@ import contextlib
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -175,8 +175,7 @@ class ClientCore:
         self._placed: set[str] = set()  # partitions whose puts the controller must place
         self._paired: set[str] = set()  # partitions of two copies: one-exchange puts go in pairs
         self._coalescing: dict[Hashable, list[coalesce.Pending]] = {}  # puts about to be sent
-        self._sending: dict[Hashable, int] = {}  # merge key -> its puts in flight
-        self._sent: dict[Hashable, asyncio.Future[None]] = {}  # merge key -> one of them ended
+        self._flights = coalesce.Flights()  # coalesced puts in flight, by merge key
         self._consuming: list[tuple[Ack | Release, asyncio.Future[int]]] | None = None  # acks
 
     @classmethod
@@ -456,11 +455,7 @@ class ClientCore:
         self._coalescing[key] = [mine]
         try:
             await asyncio.sleep(self.config.coalesce_window or 0.0)
-            while self._sending.get(key, 0) >= self._units_in_turn():
-                sent = self._sent.get(key)
-                if sent is None or sent.done():
-                    sent = self._sent[key] = loop.create_future()
-                await sent
+            await self._flights.below(key, self._units_in_turn())
         except BaseException:
             answer.cancel()  # cancelled before anything was sent: this put is not made
             raise
@@ -474,7 +469,7 @@ class ClientCore:
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
         if len(puts) == 1 and puts[0] is mine:
-            with self._in_flight(key):
+            with self._flights.flying(key):
                 return await self._put_one(req, columns)
         return await answer
 
@@ -484,25 +479,9 @@ class ClientCore:
         n = len(self.unit_addresses)
         return max(1, sum(1 for u in self.near if u < n) or n)
 
-    @contextlib.contextmanager
-    def _in_flight(self, key: Hashable) -> Iterator[None]:
-        """Count a put of ``key`` in flight; its end wakes the put waiting to follow it."""
-        self._sending[key] = self._sending.get(key, 0) + 1
-        try:
-            yield
-        finally:
-            left = self._sending[key] - 1
-            if left:
-                self._sending[key] = left
-            else:
-                del self._sending[key]
-            sent = self._sent.pop(key, None)
-            if sent is not None and not sent.done():
-                sent.set_result(None)
-
     async def _put_batch(self, key: Hashable, puts: list[coalesce.Pending]) -> None:
         """One put for ``puts``; refused, each is made on its own (its own answer)."""
-        with self._in_flight(key):
+        with self._flights.flying(key):
             await self._put_merged(puts)
 
     async def _put_merged(self, puts: list[coalesce.Pending]) -> None:
