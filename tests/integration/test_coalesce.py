@@ -17,18 +17,50 @@ from tqstream.config import ClientConfig
 from tqstream.errors import ConfigError, DuplicateKeyError, GroupError, SchemaError
 
 
+class Held:
+    """One-exchange puts held before they are sent until ``released`` is set; ``sends`` counts them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sends: list[int] = []
+        self.released = threading.Event()  # the client's loop may be another thread's
+        send = ClientCore._put_direct
+
+        async def held(core: ClientCore, req: Any, *args: Any) -> Any:
+            self.sends.append(req.n_rows)
+            while not self.released.is_set():
+                await asyncio.sleep(0.001)
+            return await send(core, req, *args)
+
+        monkeypatch.setattr(ClientCore, "_put_direct", held)
+
+    async def sent(self, n: int) -> None:
+        while len(self.sends) < n:
+            await asyncio.sleep(0.001)
+
+    async def in_flight(self, puts: Any) -> list[asyncio.Future[Any]]:
+        """Issue ``puts`` (coroutines) one loop turn apart, each in flight before the next."""
+        out = []
+        for i, put in enumerate(puts):
+            out.append(asyncio.ensure_future(put))
+            await self.sent(i + 1)
+        return out
+
+    @staticmethod
+    async def apart(puts: Any) -> list[asyncio.Future[Any]]:
+        """Issue ``puts`` in loop turns of their own."""
+        out = []
+        for put in puts:
+            out.append(asyncio.ensure_future(put))
+            await asyncio.sleep(0.001)
+        return out
+
+
 @pytest.fixture
 def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The row count of every one-exchange put a client of this process sends."""
-    seen: list[int] = []
-    send = ClientCore._put_direct
-
-    async def counted(self: ClientCore, req: Any, *args: Any) -> Any:
-        seen.append(req.n_rows)
-        return await send(self, req, *args)
-
-    monkeypatch.setattr(ClientCore, "_put_direct", counted)
-    return seen
+    held = Held(monkeypatch)
+    held.released.set()  # none held
+    return held.sends
 
 
 @pytest.fixture
@@ -241,44 +273,6 @@ def test_puts_that_grow_past_direct_put_bytes_together_are_placed(
         got = c.get(partition, "x", 4, "t", timeout=10)
         values = sorted(float(v) for v in got.data["x"][:, 0])
         assert values == [0.0, 1.0, 2.0, 3.0]
-
-
-class Held:
-    """One-exchange puts held before they are sent until ``release``: ``sends`` counts them."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.sends: list[int] = []
-        self.released = threading.Event()  # the client's loop may be another thread's
-        send = ClientCore._put_direct
-
-        async def held(core: ClientCore, req: Any, *args: Any) -> Any:
-            self.sends.append(req.n_rows)
-            while not self.released.is_set():
-                await asyncio.sleep(0.001)
-            return await send(core, req, *args)
-
-        monkeypatch.setattr(ClientCore, "_put_direct", held)
-
-    async def sent(self, n: int) -> None:
-        while len(self.sends) < n:
-            await asyncio.sleep(0.001)
-
-    async def in_flight(self, puts: Any) -> list[asyncio.Future[Any]]:
-        """Issue ``puts`` (coroutines) one loop turn apart, each in flight before the next."""
-        out = []
-        for i, put in enumerate(puts):
-            out.append(asyncio.ensure_future(put))
-            await self.sent(i + 1)
-        return out
-
-    @staticmethod
-    async def apart(puts: Any) -> list[asyncio.Future[Any]]:
-        """Issue ``puts`` in loop turns of their own."""
-        out = []
-        for put in puts:
-            out.append(asyncio.ensure_future(put))
-            await asyncio.sleep(0.001)
-        return out
 
 
 def units(deployment: tuple[str, str]) -> int:

@@ -476,8 +476,7 @@ class ClientCore:
     def _units_in_turn(self) -> int:
         """How many puts of one merge key may be in flight before the next ones wait to go
         together: one per unit that one-exchange puts go to (those of this host, if any)."""
-        n = len(self.unit_addresses)
-        return max(1, sum(1 for u in self.near if u < n) or n)
+        return max(1, len(self._near_units()) or len(self.unit_addresses))
 
     async def _put_batch(self, key: Hashable, puts: list[coalesce.Pending]) -> None:
         """One put for ``puts``; refused, each is made on its own (its own answer)."""
@@ -621,7 +620,7 @@ class ClientCore:
         """The unit a one-exchange put goes to: the next reachable one in turn, of those on this
         host if one of them is reachable, else of all."""
         n, now = len(self.unit_addresses), time.monotonic()
-        near = [u for u in sorted(self.near) if u < n]
+        near = self._near_units()
         unit = self._turn % n
         for pool in (near, list(range(n))) if near else (list(range(n)),):
             for _ in range(len(pool)):
@@ -630,6 +629,11 @@ class ClientCore:
                 if self._skip.get(unit, 0.0) <= now and not self._is_down(unit):
                     return unit
         return unit
+
+    def _near_units(self) -> list[int]:
+        """The units of this host that one-exchange puts prefer (none without locality)."""
+        n = len(self.unit_addresses)
+        return [u for u in sorted(self.near) if u < n]
 
     async def write_fields(
         self, req: PrepareFields, columns: dict[str, Column]
