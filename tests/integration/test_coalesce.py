@@ -18,7 +18,8 @@ from tqstream.errors import ConfigError, DuplicateKeyError, GroupError, SchemaEr
 
 
 class Held:
-    """One-exchange puts held before they are sent until ``released`` is set; ``sends`` counts them."""
+    """One-exchange puts, held before they are sent until ``released`` is set; ``sends`` counts
+    them."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sends: list[int] = []
