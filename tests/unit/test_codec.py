@@ -493,6 +493,14 @@ def test_take_slice_match_a_row_model(lengths, data):
         singles = Column.concat([col.slice(i, i + 1) for i in index])
         assert [t.tolist() for t in rows_of(singles)] == [rows[i].tolist() for i in index]
         assert singles.offsets is not None and singles.offsets.dtype == torch.int64
+    # pieces of any size, empty ones first, last or between, with their row counts given or not
+    bounds = data.draw(st.lists(st.tuples(st.integers(0, n), st.integers(0, n)), max_size=6))
+    pieces = [col.slice(min(a, b), max(a, b)) for a, b in bounds] or [col.slice(0, 0)]
+    expect = [t.tolist() for a, b in bounds for t in rows[min(a, b) : max(a, b)]]
+    for counts in (None, [abs(a - b) for a, b in bounds] or [0]):
+        got = Column.concat(pieces, counts)
+        assert [t.tolist() for t in rows_of(got)] == expect
+        assert got.offsets is not None and got.offsets.shape == (len(expect) + 1,)
 
 
 # --- wire ----------------------------------------------------------------------------------------

@@ -76,7 +76,10 @@ def merge(puts: Sequence[Pending]) -> tuple[PreparePut, dict[str, Column]]:
     """One put of every row of ``puts``, in order."""
     reqs = [p.req for p in puts]
     first = reqs[0]
-    columns = {name: Column.concat([p.columns[name] for p in puts]) for name in first.schemas}
+    counts = [r.n_rows for r in reqs]
+    columns = {
+        name: Column.concat([p.columns[name] for p in puts], counts) for name in first.schemas
+    }
 
     def rows(name: str, default: Any, always: bool = False) -> list[Any] | None:
         if not always and all(getattr(r, name) is None for r in reqs):

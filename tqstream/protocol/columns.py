@@ -21,7 +21,6 @@ into one writes into a zmq frame, a storage chunk or the caller's tensor. Clone 
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -184,14 +183,16 @@ class Column:
         return Column(self.schema, self.values.index_select(0, source), offsets)
 
     @staticmethod
-    def concat(columns: Sequence[Column]) -> Column:
-        """The rows of ``columns`` in order: one copy (none for a single column)."""
+    def concat(columns: Sequence[Column], rows: Sequence[int] | None = None) -> Column:
+        """The rows of ``columns`` in order: one copy (none for a single column). ``rows``, each
+        column's row count where the caller knows it, spares reading it off every column (a tensor
+        attribute read costs more than the copy of a small column)."""
         if not columns:
             raise ValueError("Column.concat needs at least one column")
         first = columns[0]
         if len(columns) == 1:
             return first
-        for other in columns[1:]:
+        for other in columns:
             if other.schema != first.schema:
                 raise SchemaError(
                     f"cannot concatenate a {other.schema.describe()} column to a "
@@ -200,18 +201,21 @@ class Column:
         values = torch.cat([c.values for c in columns])
         if first.offsets is None:
             return Column(first.schema, values)
-        if all(c.offsets.shape[0] == 2 for c in columns):  # type: ignore[union-attr]
-            # a row each (coalesced trajectories): their offsets are [0, len(values)], no need to
-            # read them — one tensor instead of a slice and an add per column
-            ends = itertools.accumulate(c.values.shape[0] for c in columns)
-            return Column(first.schema, values, torch.tensor([0, *ends], dtype=_I64))
-        parts: list[torch.Tensor] = []
-        base = 0
-        for c in columns:
-            assert c.offsets is not None
-            parts.append(c.offsets[1:] + base if parts else c.offsets)
-            base += c.values.shape[0]
-        return Column(first.schema, values, torch.cat(parts))
+        # every column's offsets start at 0: [0, .., L0, 0, .., L1, ...], rebased in a few calls
+        joined = torch.cat([c.offsets for c in columns])  # type: ignore[misc]
+        if rows is None:
+            rows = [c.offsets.shape[0] - 1 for c in columns]  # type: ignore[union-attr]
+        if joined.shape[0] == 2 * len(columns) and all(n == 1 for n in rows):
+            ends = joined[1::2].cumsum(0)  # a row each (coalesced trajectories)
+            return Column(first.schema, values, torch.cat([joined[:1], ends]))
+        sizes = torch.tensor(rows, dtype=_I64) + 1
+        last = sizes.cumsum(0) - 1  # where each column's last offset sits in ``joined``
+        lengths = joined[last]
+        bases = lengths.cumsum(0) - lengths
+        joined += torch.repeat_interleave(bases, sizes, output_size=joined.shape[0])
+        keep = torch.ones(joined.shape[0], dtype=torch.bool)
+        keep[last[:-1] + 1] = False  # every column's leading 0 but the first's
+        return Column(first.schema, values, joined[keep])
 
 
 _READONLY_SEEN = False

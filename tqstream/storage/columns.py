@@ -40,7 +40,7 @@ def _some(ids: Sequence[int]) -> str:
 
 
 class _Chunk:
-    __slots__ = ("columns", "id", "nbytes", "partition", "positions", "staged")
+    __slots__ = ("columns", "id", "nbytes", "partition", "positions", "size", "staged")
 
     def __init__(
         self, chunk_id: int, partition: str, row_ids: Sequence[int], columns: dict[str, Column]
@@ -50,6 +50,7 @@ class _Chunk:
         self.columns = columns
         self.nbytes = sum(col.nbytes for col in columns.values())
         self.positions = positions(row_ids)  # row -> its position here, live rows only
+        self.size = len(row_ids)  # rows of its columns, live or not
         # (field, row) this chunk replaces once published (an overwrite not yet committed)
         self.staged: list[tuple[str, int]] = []
 
@@ -470,12 +471,14 @@ class _Plan:
     concat and a final reordering take keep the work O(chunks) torch calls instead of O(rows).
     """
 
-    __slots__ = ("order", "runs")
+    __slots__ = ("counts", "order", "runs")
 
     def __init__(self, rows: Sequence[int], chunks: list[_Chunk]) -> None:
         self.order: torch.Tensor | None = None  # the final reordering, when chunks interleave
-        # (chunk, start, stop): a slice of the chunk's column; (chunk, positions, None): a take
+        # (chunk, None, None): the chunk's whole column; (chunk, start, stop): a slice of it;
+        # (chunk, positions, None): a take
         self.runs: list[tuple[_Chunk, Any, int | None]] = []
+        self.counts: list[int] = []  # rows of each run
         if not rows:
             return
         bounds: list[tuple[_Chunk, int, int]] = []  # (chunk, lo, hi) over batch positions
@@ -493,25 +496,36 @@ class _Plan:
                 by_chunk.setdefault(chunk, []).extend(range(lo, hi))
             for c, batch in by_chunk.items():
                 self.runs.append((c, [c.positions[rows[b]] for b in batch], None))
+                self.counts.append(len(batch))
             order = [b for batch in by_chunk.values() for b in batch]
             self.order = torch.argsort(torch.tensor(order, dtype=torch.int64))
             return
         for chunk, lo, hi in bounds:
+            self.counts.append(hi - lo)
+            if chunk.size == 1 == hi - lo:  # a one-row chunk (a trajectory's put): its column
+                self.runs.append((chunk, None, None))
+                continue
             positions = [chunk.positions[r] for r in rows[lo:hi]]
             first = positions[0]
-            if positions == list(range(first, first + len(positions))):
-                self.runs.append((chunk, first, first + len(positions)))
-            else:
+            if positions != list(range(first, first + len(positions))):
                 self.runs.append((chunk, positions, None))
+            elif first == 0 and len(positions) == chunk.size:
+                self.runs.append((chunk, None, None))
+            else:
+                self.runs.append((chunk, first, first + len(positions)))
 
     def gather(self, name: str, schema: FieldSchema) -> Column:
         if not self.runs:
             return _empty(schema)
         parts = [
-            c.columns[name].take(lo) if hi is None else c.columns[name].slice(lo, hi)
+            c.columns[name]
+            if lo is None
+            else c.columns[name].take(lo)
+            if hi is None
+            else c.columns[name].slice(lo, hi)
             for c, lo, hi in self.runs
         ]
-        out = Column.concat(parts)
+        out = Column.concat(parts, self.counts)
         return out if self.order is None else out.take(self.order)
 
 
