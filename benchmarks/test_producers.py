@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -285,6 +286,11 @@ def producer_main(conn: Connection, start: Any) -> None:
                 items = make_trajectories(
                     job.config, job.puts, first_id=job.first_id, seed=job.seed
                 )
+                # what a rollout worker should do once set up (docs/deployment.md): full
+                # collections then skip everything made so far — here also the modules of every
+                # system these processes have served (Ray's and TransferQueue's), which made one
+                # take ~0.35 s and stall a round
+                gc.freeze()
                 conn.send(("armed", None))
                 start.wait(WAIT)
                 times: list[float] = []
