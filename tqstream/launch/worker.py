@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -59,6 +60,7 @@ async def _run(args: argparse.Namespace) -> None:
         service = StorageService(config, args.controller)
         serving = loop.create_task(service.serve(), name="tqstream-storage")
         await service.register()
+    settle_heap()
     print(f"READY {service.address}", flush=True)
     stopper = loop.create_task(stop.wait(), name="tqstream-stop")
     done, _ = await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -67,6 +69,16 @@ async def _run(args: argparse.Namespace) -> None:
     stopper.cancel()
     if serving in done and serving.exception() is not None:
         raise serving.exception()  # type: ignore[misc]
+
+
+def settle_heap() -> None:
+    """Keep everything a server process made while starting (its imports: torch's alone are
+    ~170k objects in a unit) out of its full garbage collections for good. Each such collection
+    otherwise scans them all — 65-70 ms of a unit's CPU, ~14 ms of the controller's, every put
+    and fetch to it waiting meanwhile — where after this it scans only what came since (~1 ms).
+    The process runs nothing but its server, so nothing of what it froze becomes garbage."""
+    gc.collect()
+    gc.freeze()
 
 
 def unit_threads() -> None:

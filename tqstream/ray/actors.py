@@ -30,6 +30,7 @@ import ray
 from tqstream.client.loop import LoopThread
 from tqstream.config import ControllerConfig, StorageConfig
 from tqstream.errors import TQStreamError
+from tqstream.launch.worker import settle_heap
 from tqstream.protocol.shm import process_key, remove_segments
 
 __all__ = [
@@ -81,6 +82,7 @@ class _Served:
             self.io.run(self._close())
             self.io.stop()
             raise
+        settle_heap()  # the actor's process is this server's alone
 
     async def _start(self, build: Callable[[Any], Any], register: bool) -> Any:
         from tqstream.protocol.transport import context
