@@ -205,7 +205,7 @@ class Column:
         joined = torch.cat([c.offsets for c in columns])  # type: ignore[misc]
         if rows is None:
             rows = [c.offsets.shape[0] - 1 for c in columns]  # type: ignore[union-attr]
-        if joined.shape[0] == 2 * len(columns) and all(n == 1 for n in rows):
+        if all(n == 1 for n in rows):
             ends = joined[1::2].cumsum(0)  # a row each (coalesced trajectories)
             return Column(first.schema, values, torch.cat([joined[:1], ends]))
         sizes = torch.tensor(rows, dtype=_I64) + 1
