@@ -517,18 +517,18 @@ class _Plan:
     def gather(self, name: str, schema: FieldSchema) -> Column:
         if not self.runs:
             return _empty(schema)
-        parts = [_piece(c.columns[name], lo, hi) for c, lo, hi in self.runs]
+        # inline, not a helper per run: with one-row chunks that is a call per row and field,
+        # which doubles this loop's time (+65 us for 256 rows of four fields, ~3% of the fetch)
+        parts = [
+            c.columns[name]  # the whole column
+            if lo is None
+            else c.columns[name].take(lo)  # positions
+            if hi is None
+            else c.columns[name].slice(lo, hi)
+            for c, lo, hi in self.runs
+        ]
         out = Column.concat(parts, self.counts)
         return out if self.order is None else out.take(self.order)
-
-
-def _piece(column: Column, lo: Any, hi: int | None) -> Column:
-    """One run of a ``_Plan``: the whole column, a take of positions ``lo`` or a slice."""
-    if lo is None:
-        return column
-    if hi is None:
-        return column.take(lo)
-    return column.slice(lo, hi)
 
 
 def _empty(schema: FieldSchema) -> Column:
