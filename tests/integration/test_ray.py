@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,9 @@ def test_producers_and_consumers_on_different_nodes_get_every_row_once(nodes: li
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    launch = tqstream.ray.launch(name="flow", metrics_port=port)
+    with warnings.catch_warnings():  # one CPU each of four on every node: room left, no warning
+        warnings.simplefilter("error", RuntimeWarning)
+        launch = tqstream.ray.launch(name="flow", metrics_port=port)
     with launch as cluster, cluster.connect() as client:
         assert sorted(ray.get([u.node_id.remote() for u in cluster.units])) == sorted(nodes)
         assert ray.get(cluster.controller.node_id.remote()) == head
@@ -370,13 +373,22 @@ def test_launch_refuses_bad_placement(nodes: list[str]) -> None:
 
 def test_launch_takes_a_cluster_config_and_the_old_names(nodes: list[str]) -> None:
     """``config=`` reaches the actors (the quota and the row cap apply); ``num_storage_units``
-    still works, with a DeprecationWarning; settings the Ray deployment cannot apply, or an old
-    name given with its new one, are refused before anything starts."""
+    still works, with a DeprecationWarning; actors reserving every CPU of their nodes get a
+    RuntimeWarning naming them (tasks needing a CPU there would wait); settings the Ray
+    deployment cannot apply, or an old name given with its new one, are refused before anything
+    starts."""
     config = tqstream.ClusterConfig().with_settings(storage_max_bytes=123456, max_rows=4)
-    with pytest.warns(DeprecationWarning, match="use 'storage_units'"):
+    with (
+        pytest.warns(DeprecationWarning, match="use 'storage_units'"),
+        pytest.warns(RuntimeWarning, match=r"reserve every CPU of node") as crowded,
+    ):
         cluster = tqstream.ray.launch(
-            name="configured", config=config, num_storage_units=2, nodes=nodes[1:], num_cpus=0
+            name="configured", config=config, num_storage_units=2, nodes=nodes[1:], num_cpus=4
         )
+    text = str(next(w.message for w in crowded if w.category is RuntimeWarning))
+    for node in nodes:  # the controller on the head, a unit on each other node: 4 of 4 CPUs
+        assert f"node {node} (1 of them, 4 of its 4 CPUs)" in text, text
+    assert "launch with num_cpus=0" in text
     with cluster, cluster.connect() as client:
         assert [u.max_bytes for u in client.stats().units] == [123456, 123456]
         client.put(_rows(0, 4), "p")

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -175,7 +176,9 @@ def launch(
     Placement: the storage units go one per node, in turn over ``nodes`` (Ray node ids; default:
     every alive node with ``num_cpus`` CPUs), so ``storage_units`` unset is one unit per node;
     the controller goes on ``controller_node``, else on this process's node if it has room.
-    ``num_cpus``: logical CPUs each actor reserves (0 allowed); they take no GPU.
+    ``num_cpus``: logical CPUs each actor reserves (0 allowed); they take no GPU. When they
+    reserve every CPU of a node, ``launch`` warns (``RuntimeWarning``): a task or actor that
+    needs a CPU there would wait for as long as the cluster runs.
 
     ``name``: the cluster's name in the Ray ``namespace`` (default: this job's), how
     :func:`connect` finds it. ``detached``: the actors outlive this process (end them with
@@ -240,6 +243,8 @@ def launch(
                 ).remote(i, name, namespace, sc)
             )
         _ready(units, timeout, "storage unit", num_cpus)
+        if num_cpus > 0:
+            _warn_if_crowded([ray.get(controller.node_id.remote()), *placed], num_cpus)
         return RayCluster(name, namespace, controller, dict(enumerate(units)), cc.keys)
     except BaseException:
         for actor in [*units, controller]:
@@ -348,6 +353,26 @@ def _unit_nodes(n: int | None, nodes: Sequence[str] | None, num_cpus: float) -> 
         candidates.sort(key=lambda x: x != here)  # a single unit goes next to this process
     count = len(candidates) if n is None else n
     return [candidates[i % len(candidates)] for i in range(count)]
+
+
+def _warn_if_crowded(actor_nodes: Sequence[str], num_cpus: float) -> None:
+    """Warn when the actors, on ``actor_nodes``, reserve every CPU of a node: a Ray task or actor
+    that needs one there (a rollout, say) would wait for as long as the cluster runs."""
+    totals = {x["NodeID"]: x["Resources"].get("CPU", 0.0) for x in ray.nodes() if x["Alive"]}
+    full = [
+        f"node {node} ({count} of them, {count * num_cpus:g} of its {totals[node]:g} CPUs)"
+        for node, count in Counter(actor_nodes).items()
+        if node in totals and totals[node] - count * num_cpus < 1
+    ]
+    if full:
+        warnings.warn(
+            f"tqstream's actors (num_cpus={num_cpus:g} each) reserve every CPU of "
+            f"{', '.join(full)}: Ray tasks and actors that need a CPU there wait for one as long "
+            f"as the cluster runs; launch with num_cpus=0 (the actors mostly wait on their "
+            f"sockets) or on nodes with more CPUs",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _ready(actors: list[Any], timeout: float, what: str, num_cpus: float) -> None:
