@@ -70,6 +70,7 @@ def test_compare_runs_the_baseline_and_plots_both(tmp_path: Path) -> None:
         (["--steps", "-1"], "argument --steps: must be 1 or more, got -1"),
         (["--steps", "many"], "argument --steps: 'many' is not a whole number"),
         (["--lr", "0"], "argument --lr: must be positive, got 0.0"),
+        (["--max-grad-norm", "-1"], "argument --max-grad-norm: must be positive, got -1.0"),
     ],
 )
 def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:

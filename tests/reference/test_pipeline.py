@@ -54,6 +54,7 @@ def test_a_few_steps_end_to_end(update_mode: str) -> None:
         ({"measure": "tail"}, "measure must be 'head' or 'token', got 'tail'"),
         ({"epochs": 0}, "prompts_per_rollout and epochs must be 1 or more, warmup_steps 0 or more"),
         ({"eval_problems": 0}, "eval_every must be 0 or more, eval_problems 1 or more"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm must be positive or None, got -1.0"),
     ],
 )
 def test_configurations_that_cannot_run_are_refused_before_anything_starts(

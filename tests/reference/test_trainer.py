@@ -51,6 +51,27 @@ def test_mismatched_inputs_are_refused() -> None:
         trainer.step(one, one, [torch.tensor([0.0])], one, torch.tensor([1.0]), ["g"])
     with pytest.raises(ValueError, match="proximal must be 'recompute' or 'loglinear'"):
         PPOTrainer(tiny_model(VOCAB, seed=1), pad_id=0, proximal="exact")
+    with pytest.raises(ValueError, match="max_grad_norm must be positive or None, got 0"):
+        PPOTrainer(tiny_model(VOCAB, seed=1), pad_id=0, max_grad_norm=0)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, None])
+def test_gradients_above_max_grad_norm_are_scaled_down_to_it(max_grad_norm: float | None) -> None:
+    model = tiny_model(VOCAB, seed=1)
+    outs = TorchEngine(model, eos_id=-1, pad_id=0, seed=0).generate([[5, 6, 7]] * 4, 5)
+    trainer = PPOTrainer(model, pad_id=0, max_grad_norm=max_grad_norm)
+    stats = trainer.step(
+        [torch.tensor([5, 6, 7])] * 4, [torch.tensor(o.tokens) for o in outs],
+        [torch.tensor(o.logprobs) for o in outs], [torch.tensor(o.versions) for o in outs],
+        torch.tensor([1.0, 0.0, 0.0, 0.0]), ["g"] * 4,
+    )  # fmt: skip
+    # the norm reported is the one the loss gave; the step applied the clipped gradient
+    applied = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    assert stats["grad_norm"] > 1e-2
+    if max_grad_norm is None:
+        assert float(applied.norm()) == pytest.approx(stats["grad_norm"], rel=1e-5)
+    else:
+        assert float(applied.norm()) == pytest.approx(max_grad_norm, rel=1e-3)
 
 
 def test_a_loss_that_is_not_finite_stops_the_step() -> None:

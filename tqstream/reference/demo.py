@@ -130,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
         "--lr", type=_positive_float, default=3e-4, help="learning rate (default: %(default)s)"
     )
     p.add_argument(
+        "--max-grad-norm",
+        type=_positive_float,
+        default=None,
+        help="clip each optimizer step's gradient to this global norm (default: no clipping)",
+    )
+    p.add_argument(
         "--seed",
         type=_count(0),
         default=0,
@@ -164,7 +170,7 @@ def _config(args: argparse.Namespace, max_staleness: int, slack: int) -> Any:
         steps=args.steps, workers=args.workers, max_staleness=max_staleness,
         update_mode=args.update_mode, proximal=args.proximal, lr=args.lr, seed=args.seed,
         engine=args.engine, sync_interval=args.sync_interval, measure=args.measure,
-        admission_slack=slack,
+        admission_slack=slack, max_grad_norm=args.max_grad_norm,
     )  # fmt: skip
 
 

@@ -97,6 +97,9 @@ class PipelineConfig:
     """Optimizer steps per batch (PPO's passes over it)."""
     entropy_coef: float = 0.005
     """Weight of the generated tokens' mean entropy in the loss (keeps the policy exploring)."""
+    max_grad_norm: float | None = None
+    """Each optimizer step's gradients are scaled down to this global norm when above it (None:
+    never; verl and AReaL clip to 1.0 by default)."""
     warmup_steps: int = 100
     """Supervised steps on the answer's format (random digits) before the first rollout."""
     eval_every: int = 10
@@ -154,6 +157,8 @@ class PipelineConfig:
             raise PipelineError(f"unknown backend {self.backend!r}; use 'gloo' or 'nccl'")
         if self.max_restarts < 0:
             raise PipelineError(f"max_restarts must be 0 or more, got {self.max_restarts}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise PipelineError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
 
 
 class PipelineError(TQStreamError, RuntimeError):
@@ -176,6 +181,7 @@ class StepStats:
     eval: float | None = None  # held-out exact-match after this step, on evaluated steps
     eval_digits: float | None = None  # held-out digits right (greedy), on evaluated steps
     lag_counts: dict[int, int] = dataclasses.field(default_factory=dict)  # trajectories by lag
+    grad_norm: float = 0.0  # the largest gradient norm of the step's epochs, before clipping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,6 +543,7 @@ def run(
         trainer = PPOTrainer(
             model, pad_id=tok.pad_token_id, lr=config.lr, temperature=config.temperature,
             proximal=config.proximal, epochs=config.epochs, entropy_coef=config.entropy_coef,
+            max_grad_norm=config.max_grad_norm,
         )  # fmt: skip
         hub = WeightHub(timeout=config.timeout, backend=config.backend)
         admission = client.admission("capacity", name="rollout", **_admission_config(config))
@@ -620,7 +627,7 @@ def run(
                 rate, sync_s, sync.receivers, seconds=now - t0,
                 eval=None if score is None else score.exact,
                 eval_digits=None if score is None else score.digits,
-                lag_counts=stats["lag_counts"],
+                lag_counts=stats["lag_counts"], grad_norm=stats["grad_norm"],
             )  # fmt: skip
             last = now
             history.append(row)

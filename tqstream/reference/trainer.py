@@ -11,9 +11,9 @@ behaviour logprobs and per-token versions from the rollout engine, a reward, a g
 3. GRPO advantages per group, the decoupled loss (``loss.py``) minus ``entropy_coef`` times the
    mean entropy of the generated tokens' distributions (in groups whose rewards differ: a solved
    group has nothing left to explore for, and the bonus alone would undo it), and ``epochs``
-   optimizer steps over the
-   batch (PPO's passes: the clip keeps later passes near the proximal policy); ``version`` goes
-   up by one.
+   optimizer steps over the batch (PPO's passes: the clip keeps later passes near the proximal
+   policy), each with its gradient's global norm clipped to ``max_grad_norm`` if given;
+   ``version`` goes up by one.
 """
 
 from __future__ import annotations
@@ -43,13 +43,17 @@ class PPOTrainer:
         version: int = 0,
         epochs: int = 1,
         entropy_coef: float = 0.0,
+        max_grad_norm: float | None = None,
     ) -> None:
         if proximal not in ("recompute", "loglinear"):
             raise ValueError(f"proximal must be 'recompute' or 'loglinear', got {proximal!r}")
         if epochs < 1:
             raise ValueError(f"epochs must be 1 or more, got {epochs}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
         self.model = model
         self.epochs, self.entropy_coef = epochs, entropy_coef
+        self.max_grad_norm = max_grad_norm
         self.pad_id, self.temperature = pad_id, temperature
         self.eps_clip, self.behav_cap, self.proximal = eps_clip, behav_cap, proximal
         self.version = version
@@ -122,6 +126,7 @@ class PPOTrainer:
         # whatever its scale) would drive a solved policy back to random answers
         varied = {g for g, a in zip(groups, advantages.tolist(), strict=True) if a != 0.0}
         live = torch.tensor([g in varied for g in groups], dtype=torch.bool)[:, None]
+        norms: list[float] = []
         for _ in range(self.epochs):
             logp, mask, entropy = self.logprobs(prompts, responses, entropy=True)
             behav = self._place(behav_logprobs, mask, 0.0)
@@ -144,6 +149,11 @@ class PPOTrainer:
                 raise FloatingPointError(f"the loss is {loss.item()} at version {self.version}")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(),
+                float("inf") if self.max_grad_norm is None else self.max_grad_norm,
+            )
+            norms.append(float(norm))
             self.optimizer.step()
         self.model.eval()
         self.version += 1
@@ -158,5 +168,6 @@ class PPOTrainer:
             "max_lag": float(lag.max()) if lag.numel() else 0.0,
             "entropy": float(mean_entropy.detach()),
             "lag_counts": dict(sorted(row_lags.items())),
+            "grad_norm": max(norms),
             **stats,
         }
