@@ -383,7 +383,12 @@ def test_launch_takes_a_cluster_config_and_the_old_names(nodes: list[str]) -> No
         pytest.warns(RuntimeWarning, match=r"reserve every CPU of node") as crowded,
     ):
         cluster = tqstream.ray.launch(
-            name="configured", config=config, num_storage_units=2, nodes=nodes[1:], num_cpus=4
+            name="configured",
+            config=config,
+            num_storage_units=2,
+            nodes=nodes[1:],
+            num_cpus=4,
+            controller_node=nodes[0],
         )
     text = str(next(w.message for w in crowded if w.category is RuntimeWarning))
     for node in nodes:  # the controller on the head, a unit on each other node: 4 of 4 CPUs

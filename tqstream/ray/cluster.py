@@ -243,8 +243,9 @@ def launch(
                 ).remote(i, name, namespace, sc)
             )
         _ready(units, timeout, "storage unit", num_cpus)
-        if num_cpus > 0:
-            _warn_if_crowded([ray.get(controller.node_id.remote()), *placed], num_cpus)
+        if num_cpus > 0:  # a named controller node is where it runs; else ask (soft affinity)
+            at = controller_node or ray.get(controller.node_id.remote())
+            _warn_if_crowded([at, *placed], num_cpus)
         return RayCluster(name, namespace, controller, dict(enumerate(units)), cc.keys)
     except BaseException:
         for actor in [*units, controller]:
