@@ -347,3 +347,104 @@ def test_a_put_cancelled_while_waiting_for_one_in_flight_is_not_made(
     assert isinstance(leader, asyncio.CancelledError) and other.keys == ["y"]
     assert held.sends == [1] * n + [1]
     assert sorted(client.list_keys(partition)) == sorted(["y", *(f"k{i}" for i in range(n))])
+
+
+def rollout(i: int) -> dict[str, Any]:
+    """A trajectory with per-token versions: prompt tokens -1, then generated ones (none in
+    every fifth, whose row takes the put's ``version``)."""
+    prompt, generated = i % 3 + 1, 0 if i % 5 == 0 else i % 4 + 1
+    versions = [-1] * prompt + [i % 2 + k for k in range(generated)]
+    return {
+        "ids": [torch.arange(prompt + generated) + i],
+        "versions": [torch.tensor(versions, dtype=torch.int32)],
+        "reward": torch.tensor([float(i)]),
+        "mask": torch.tensor([[i % 2 == 0, True]]),
+    }
+
+
+def test_puts_encoded_together_store_what_puts_encoded_alone_store(
+    deployment: tuple[str, str], client: tqstream.Client, partition: str, monkeypatch: Any
+) -> None:
+    """A coalescing client encodes the puts it merges as one batch (``deferred.py``); a client
+    that does not coalesce encodes each in its call: the rows, their versions and tags are the
+    same."""
+    from tqstream.client import coalesce
+
+    batches: list[int] = []
+    encode = coalesce.encode_batch
+
+    def counted(reqs: Any, inputs: Any) -> Any:
+        batches.append(len(inputs))
+        return encode(reqs, inputs)
+
+    monkeypatch.setattr(coalesce, "encode_batch", counted)
+    stored = {}
+    config = ClientConfig(coalesce_window=None)
+    with tqstream.connect(deployment[1], config) as alone:
+        for name, c in (("together", client), ("alone", alone)):
+            part = f"{partition}-{name}"
+
+            async def go(c: tqstream.Client = c, part: str = part) -> list[Any]:
+                return await asyncio.gather(
+                    *(
+                        c.async_put(rollout(i), part, version=10 + i, tags=[{"i": i}])
+                        for i in range(24)
+                    )
+                )
+
+            metas = asyncio.run(go())
+            got = c.get(part, ["ids", "versions", "reward", "mask"], 24, "t", timeout=10)
+            order = torch.argsort(got.data["reward"]).tolist()
+            rows = [got.meta.row_ids[r] for r in order]
+            assert sorted(m.row_ids[0] for m in metas) == sorted(rows)
+            stored[name] = (
+                [got.data["ids"][r].tolist() for r in order],
+                [got.data["versions"][r].tolist() for r in order],
+                got.data["mask"][order].tolist(),
+                [(got.meta.version_start[r], got.meta.version_end[r]) for r in order],
+                [got.meta.tags[r] for r in order],
+                [(m.version_start, m.tags) for m in metas],
+            )
+            c.ack(got.meta)
+    assert stored["together"] == stored["alone"]
+    assert stored["alone"][3][0] == (10, 10) and stored["alone"][3][1] == (1, 2)
+    assert sum(batches) >= 20  # all but the first (and any sent alone) encoded in batches
+
+
+def test_a_bad_put_among_coalesced_ones_fails_in_its_own_call(
+    client: tqstream.Client, partition: str, sends: list[int]
+) -> None:
+    from tqstream.errors import BatchShapeError
+
+    client.put(rollout(0), partition)  # its signature is known: the good ones are deferred
+    sends.clear()
+    float_versions = {**rollout(1), "versions": [torch.zeros(3)]}
+    two_rows = {**rollout(2), "ids": [torch.arange(2), torch.arange(3)]}
+    float_ids = {**rollout(3), "ids": [torch.arange(2.0)]}  # refused by the partition
+
+    async def go() -> list[Any]:
+        puts = [client.async_put(rollout(i), partition) for i in range(4, 12)]
+        puts[2:2] = [client.async_put(d, partition) for d in (float_versions, two_rows, float_ids)]
+        return await asyncio.gather(*puts, return_exceptions=True)
+
+    out = asyncio.run(go())
+    bad = out[2:5]
+    assert isinstance(bad[0], SchemaError) and "versions field 'versions'" in str(bad[0])
+    assert isinstance(bad[1], BatchShapeError) and "disagree on the number of rows" in str(bad[1])
+    assert all(len(m) == 1 for m in out[:2] + out[5:])
+    assert isinstance(bad[2], SchemaError) and "stored as ragged int64" in str(bad[2])
+    assert sends == [1, 8]  # the float ids alone (a merge key of their own), then the rest
+    assert client.stats(partition).partitions[partition].rows == 1 + 8
+
+
+def test_a_deferred_put_sent_alone_is_encoded_alone(
+    client: tqstream.Client, partition: str, sends: list[int]
+) -> None:
+    async def go() -> list[Any]:
+        return [await client.async_put(rollout(i), partition, version=7) for i in range(3)]
+
+    metas = asyncio.run(go())  # the first learns the signature, the others are deferred
+    assert sends == [1, 1, 1]
+    assert [(m.version_start, m.version_end) for m in metas] == [([7], [7]), ([1], [2]), ([0], [2])]
+    got = client.get(partition, ["ids", "versions"], 3, "t", timeout=10)
+    assert sorted(len(r) for r in got.data["ids"]) == [1, 4, 6]

@@ -2,9 +2,10 @@
 
 Encoding a batch into columns and decoding fetched columns into a TensorDict run in the caller's
 thread; only socket I/O runs on the client's IO thread, so a large put or get does not stall other
-requests in flight on the same client. The client is thread-safe and may be used from several
-threads and event loops at once. After ``os.fork`` a client cannot be used in the child (its IO
-thread does not exist there): create a new one.
+requests in flight on the same client. (Small puts a coalescing client merges are encoded together
+where they are sent, once for all of them: ``deferred.py``.) The client is thread-safe and may be
+used from several threads and event loops at once. After ``os.fork`` a client cannot be used in
+the child (its IO thread does not exist there): create a new one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.batch import Batch
 from tqstream.client.core import ClientCore
+from tqstream.client.deferred import Signatures
 from tqstream.client.lanes import CLOSED, Lanes
 from tqstream.client.loop import LoopThread
 from tqstream.client.requests import (
@@ -88,6 +90,7 @@ class Client:
         self._io = io or LoopThread(name="tqstream-client-io")
         self._closed = False
         self._on_close = on_close
+        self._signatures = Signatures()  # of the puts this client encoded (deferred.py)
         # every connection of this client (its IO thread's and its lanes') names the same session:
         # the controller gives back what the client held only when all of them are gone
         session = secrets.token_bytes(16)
@@ -198,11 +201,13 @@ class Client:
         the controller keeps with the row (see ``put_by_keys``). The rows become visible to
         readers all at once, when every byte is stored.
         """
+        window = self.config.coalesce_window
         req, columns = encode_put(
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout, tags,
+            self._signatures if window else None,
         )  # fmt: skip
-        if self.config.coalesce_window:  # puts of several threads meet on the IO thread
+        if window:  # puts of several threads meet on the IO thread
             self._check()
             return self._io.run(ClientCore.put(self._core, req, columns))
         return self._sync(ClientCore.put, req, columns, False)  # a thread waits for each
@@ -222,9 +227,11 @@ class Client:
         timeout: float | None = None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> BatchMeta:
+        coalescing = self.config.coalesce_window is not None
         req, columns = encode_put(
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout, tags,
+            self._signatures if coalescing else None,
         )  # fmt: skip
         return await self._async(ClientCore.put, req, columns)
 

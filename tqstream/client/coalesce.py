@@ -12,6 +12,9 @@ for one of them to end (:class:`Flights`) and the puts issued meanwhile go with 
 so that puts issued in loop turns of their own (rollouts ending one by one) coalesce under load,
 and a lone put never waits.
 
+Puts whose encoding was deferred (``deferred.py``) are encoded at the merge, as one batch for each
+run of them: a merged put costs one encoding, not one per caller.
+
 Merging never changes what a put means: rows keep their own versions, tags and groups. A group
 named without ``group_size`` takes its size from its rows in that put, so such puts that name the
 same group are never merged with each other.
@@ -22,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import msgspec
 
+from tqstream.client.deferred import Deferred, encode_batch
 from tqstream.protocol.columns import Column
 from tqstream.protocol.messages import PreparePut
 from tqstream.types import BatchMeta
@@ -37,7 +42,7 @@ class Pending:
     """A put waiting to be sent, and where its caller waits for the answer."""
 
     req: PreparePut
-    columns: dict[str, Column]
+    columns: dict[str, Column] | Deferred
     answer: Any  # asyncio.Future[BatchMeta]
 
 
@@ -73,13 +78,26 @@ def batches(pending: Sequence[Pending]) -> list[list[Pending]]:
 
 
 def merge(puts: Sequence[Pending]) -> tuple[PreparePut, dict[str, Column]]:
-    """One put of every row of ``puts``, in order."""
-    reqs = [p.req for p in puts]
+    """One put of every row of ``puts``, in order; each run of deferred puts among them is
+    encoded as one batch (``SchemaError`` if its values are not what its signature promised:
+    then each put is made on its own, and encoded on its own)."""
+    reqs: list[PreparePut] = []
+    blocks: list[dict[str, Column]] = []
+    counts: list[int] = []
+    for _, run in itertools.groupby(puts, lambda p: isinstance(p.columns, Deferred)):
+        pending = list(run)
+        inputs = [p.columns for p in pending if isinstance(p.columns, Deferred)]
+        if inputs:
+            encoded, block = encode_batch([p.req for p in pending], inputs)
+            reqs += encoded
+            blocks.append(block)
+            counts.append(sum(r.n_rows for r in encoded))
+        else:
+            reqs += [p.req for p in pending]
+            blocks += [p.columns for p in pending if not isinstance(p.columns, Deferred)]
+            counts += [p.req.n_rows for p in pending]
     first = reqs[0]
-    counts = [r.n_rows for r in reqs]
-    columns = {
-        name: Column.concat([p.columns[name] for p in puts], counts) for name in first.schemas
-    }
+    columns = {name: Column.concat([b[name] for b in blocks], counts) for name in first.schemas}
 
     def rows(name: str, default: Any, always: bool = False) -> list[Any] | None:
         if not always and all(getattr(r, name) is None for r in reqs):

@@ -34,6 +34,7 @@ import torch
 import zmq
 
 from tqstream.client import coalesce
+from tqstream.client.deferred import Deferred, encoded
 from tqstream.config import ClientConfig
 from tqstream.errors import (
     ClosedError,
@@ -362,21 +363,22 @@ class ClientCore:
 
     # --- writes ---
     async def put(
-        self, req: PreparePut, columns: dict[str, Column], coalesce: bool = True
+        self, req: PreparePut, columns: dict[str, Column] | Deferred, coalesce: bool = True
     ) -> BatchMeta:
         """Store a put's rows; with ``coalesce`` (and ``coalesce_window`` not None) together with
-        the puts issued with it (``coalesce.py``)."""
+        the puts issued with it (``coalesce.py``), its columns encoded with theirs if they are
+        not yet (``deferred.py``)."""
         partition = req.partition
         if req.n_rows == 0:  # every row was rejected: count them, store nothing
             await self._ask(CountRejected(rid=0, partition=partition, count=req.rejected), Ok)
-            return BatchMeta(partition, [], [], [], [], [], [], list(columns), {},
+            return BatchMeta(partition, [], [], [], [], [], [], list(req.schemas), {},
                              rejected=req.rejected)  # fmt: skip
         direct = req.nbytes < self.config.direct_put_bytes and self.unit_addresses
         if direct and partition not in self._placed:
             if coalesce and self.config.coalesce_window is not None:
                 return await self._coalesced(req, columns)
-            return await self._put_one(req, columns)
-        return await self._put_placed(req, columns)
+            return await self._put_one(*encoded(req, columns))
+        return await self._put_placed(*encoded(req, columns))
 
     async def _put_one(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
         """A put in one exchange (to two units for a partition of two copies), or placed by the
@@ -439,7 +441,7 @@ class ClientCore:
                 return [first, unit]
         return None
 
-    async def _coalesced(self, req: PreparePut, columns: dict[str, Column]) -> BatchMeta:
+    async def _coalesced(self, req: PreparePut, columns: dict[str, Column] | Deferred) -> BatchMeta:
         """Send the put with the others issued with it (``coalesce.py``); its own rows back. The
         first put of a merge key waits a loop turn (or the window) for the others to join, and
         while puts of its key are in flight to every unit they go to, for one of them to end;
@@ -470,7 +472,7 @@ class ClientCore:
                     task.add_done_callback(self._background.discard)
         if len(puts) == 1 and puts[0] is mine:
             with self._flights.flying(key):
-                return await self._put_one(req, columns)
+                return await self._put_one(*encoded(req, columns))
         return await answer
 
     def _units_in_turn(self) -> int:
@@ -484,9 +486,12 @@ class ClientCore:
             await self._put_merged(puts)
 
     async def _put_merged(self, puts: list[coalesce.Pending]) -> None:
+        async def alone(p: coalesce.Pending) -> BatchMeta:
+            return await self._put_one(*encoded(p.req, p.columns))
+
         try:
             if len(puts) == 1:
-                result: Any = [await self._put_one(puts[0].req, puts[0].columns)]
+                result: Any = [await alone(puts[0])]
             else:
                 merged = await self._put_one(*coalesce.merge(puts))
                 result = coalesce.split(merged, puts)
@@ -496,9 +501,7 @@ class ClientCore:
             if len(puts) == 1:
                 result = exc
             else:  # refused as a whole, nothing kept: each on its own
-                outcomes = await asyncio.gather(
-                    *(self._put_one(p.req, p.columns) for p in puts), return_exceptions=True
-                )
+                outcomes = await asyncio.gather(*map(alone, puts), return_exceptions=True)
                 result = list(outcomes)
         except BaseException as exc:
             result = exc

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from tqstream.client.core import GET_GRACE
+from tqstream.client.deferred import Deferred, Signatures
 from tqstream.client.versions import FRESH_MASK, fresh_mask, row_versions
 from tqstream.convert.inputs import columns_from_data
 from tqstream.convert.tensordict import to_tensordict
@@ -117,9 +118,23 @@ def encode_put(
     reject_mixed_versions: bool,
     timeout: float | None,
     tags: Sequence[Mapping[str, Any] | None] | None = None,
-) -> tuple[PreparePut, dict[str, Column]]:
-    """Encode the batch into columns and the prepare request (in the caller's thread)."""
-    n, columns = columns_from_data(data)
+    signatures: Signatures | None = None,
+) -> tuple[PreparePut, dict[str, Column] | Deferred]:
+    """Encode the batch into columns and the prepare request (in the caller's thread). With
+    ``signatures`` (a coalescing client's), an input whose signature is known is deferred
+    (``deferred.py``): the request is made and checked, the columns are encoded when it is sent."""
+    signed = None if signatures is None else Signatures.of(data, versions_field)
+    schemas = None
+    if signatures is not None and signed is not None and not reject_mixed_versions:
+        schemas = signatures.known(signed[0])
+    encoded: dict[str, Column] | Deferred
+    if schemas is not None and signed is not None:
+        _, n, nbytes, fields = signed
+        encoded = Deferred(fields, versions_field)
+    else:
+        n, columns = columns_from_data(data)
+        schemas = {k: c.schema for k, c in columns.items()}
+        nbytes, encoded = sum(c.nbytes for c in columns.values()), columns
     wire_tags = check_tags(tags, n)
     for name, seq in (("keys", keys), ("groups", groups)):
         if seq is not None and len(seq) != n:
@@ -147,8 +162,8 @@ def encode_put(
                 rows=n,
             )
     starts = ends = None
-    if versions_field is not None and versions_field in columns:
-        starts, ends = row_versions(versions_field, columns[versions_field], version)
+    if isinstance(encoded, dict) and versions_field is not None and versions_field in encoded:
+        starts, ends = row_versions(versions_field, encoded[versions_field], version)
     rejected = 0
     if reject_mixed_versions:
         if starts is None or ends is None:
@@ -163,7 +178,9 @@ def encode_put(
         rejected = n - len(keep)
         if rejected:
             index = torch.tensor(keep, dtype=torch.int64)
-            columns = {k: c.take(index) for k, c in columns.items()}
+            assert isinstance(encoded, dict)  # a put that rejects rows is never deferred
+            encoded = {k: c.take(index) for k, c in encoded.items()}
+            nbytes = sum(c.nbytes for c in encoded.values())
             pick = lambda seq: None if seq is None else [seq[i] for i in keep]  # noqa: E731
             keys, groups, dispatch = pick(keys), pick(groups), pick(dispatch)
             starts, ends, wire_tags = pick(starts), pick(ends), pick(wire_tags)
@@ -172,8 +189,8 @@ def encode_put(
         rid=0,
         partition=partition,
         n_rows=n,
-        schemas={k: c.schema for k, c in columns.items()},
-        nbytes=sum(c.nbytes for c in columns.values()),
+        schemas=schemas,
+        nbytes=nbytes,
         keys=keys,
         groups=groups,
         group_size=group_size,
@@ -185,7 +202,9 @@ def encode_put(
         timeout=timeout,
         tags=wire_tags,
     )
-    return req, columns
+    if signatures is not None and signed is not None and isinstance(encoded, dict):
+        signatures.learn(signed[0], schemas)
+    return req, encoded
 
 
 def check_keys(keys: Any) -> list[str]:
