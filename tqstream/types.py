@@ -8,6 +8,7 @@ and the controller.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, Literal, cast, get_args
 
@@ -132,24 +133,28 @@ class BatchMeta(msgspec.Struct, frozen=True):
 
     def select(self, indices: Sequence[int] | slice) -> BatchMeta:
         """A sub-batch (same lease) holding the rows at ``indices``."""
-        idx = list(range(len(self.row_ids)))[indices] if isinstance(indices, slice) else indices
+        if isinstance(indices, slice):  # a list slice each (coalesced puts' answers: per put)
+            pick: Any = operator.itemgetter(indices)
+            opt = pick
+        else:
+            idx = indices
+            pick = lambda seq: [seq[i] for i in idx]  # noqa: E731
+            opt = lambda seq: pick(seq) if seq else []  # noqa: E731 (lists empty when unused)
         return BatchMeta(
             partition=self.partition,
-            row_ids=[self.row_ids[i] for i in idx],
-            keys=[self.keys[i] for i in idx],
-            units=[self.units[i] for i in idx],
-            groups=[self.groups[i] for i in idx],
-            version_start=[self.version_start[i] for i in idx],
-            version_end=[self.version_end[i] for i in idx],
+            row_ids=pick(self.row_ids),
+            keys=pick(self.keys),
+            units=pick(self.units),
+            groups=pick(self.groups),
+            version_start=pick(self.version_start),
+            version_end=pick(self.version_end),
             fields=list(self.fields),
             schemas=dict(self.schemas),
             task=self.task,
             lease_id=self.lease_id,
-            dispatch_version=[self.dispatch_version[i] for i in idx]
-            if self.dispatch_version
-            else [],
-            replicas=[self.replicas[i] for i in idx] if self.replicas else [],
-            tags=[self.tags[i] for i in idx] if self.tags else [],
+            dispatch_version=opt(self.dispatch_version),
+            replicas=opt(self.replicas),
+            tags=opt(self.tags),
         )
 
 

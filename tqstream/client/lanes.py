@@ -155,6 +155,8 @@ class LoopLane:
     async def core(self) -> ClientCore:
         """The lane's core; a failed open is retried by the next call."""
         task = self._opening
+        if task is not None and task.done() and not task.cancelled() and not task.exception():
+            return task.result()  # every call but the first: no shield (a future each)
         if task is None or (task.done() and task.exception() is not None):
             task = self._opening = self.loop.create_task(
                 _open(self._address, self._config, self.ctx, self._release, self._session),
@@ -227,6 +229,20 @@ class Lanes:
         loop = asyncio.get_running_loop()
         if loop is self._io_loop:
             return None
+        self._check()
+        # one dict read, no lock: a close racing with it is the race a call right after the lock
+        # would run too (the lane's calls then fail closed)
+        lane = self._loop_lanes.get(loop) or self._lane_of(loop)
+        if lane.unsupported:
+            return None
+        try:
+            return await lane.core()
+        except NotImplementedError:  # e.g. a proactor loop: no add_reader
+            lane.unsupported = True
+            return None
+
+    def _lane_of(self, loop: asyncio.AbstractEventLoop) -> LoopLane:
+        """``loop``'s lane, made on its first call."""
         with self._lock:
             self._check()
             lane = self._loop_lanes.get(loop)
@@ -244,13 +260,7 @@ class Lanes:
                 for old in gone:
                     if old is not lane:
                         old.close()
-        if lane.unsupported:
-            return None
-        try:
-            return await lane.core()
-        except NotImplementedError:  # e.g. a proactor loop: no add_reader
-            lane.unsupported = True
-            return None
+        return lane
 
     def enter(self) -> Lane | None:
         """The calling thread's lane, marked busy; None when the call must go to the IO thread
