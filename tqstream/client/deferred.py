@@ -169,7 +169,7 @@ class Signatures:
                     if t is not value[0] and _row(t) != row:
                         return None
                     size += t.nbytes
-                rows = len(value)
+                rows, value = len(value), list(value)  # the caller's list may be reused
                 size += 8 * (rows + 1)
                 sig.append((name, True, *row))
             else:
