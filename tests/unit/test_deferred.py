@@ -17,6 +17,8 @@ from tqstream.client.requests import encode_put
 from tqstream.errors import SchemaError
 from tqstream.protocol.columns import Column
 
+MAX = 16 << 20  # ClientConfig.direct_put_bytes
+
 
 def put_args(data: Any, version: int | None = None, versions_field: str | None = "versions"):
     return (data, "p", None, None, None, version, None, versions_field, False, None, None)
@@ -37,7 +39,7 @@ def trajectory(lengths: list[int], generated: list[int], reward: float) -> dict[
 
 
 def test_a_known_signature_is_deferred_and_the_first_of_it_learns_it() -> None:
-    signatures = Signatures()
+    signatures = Signatures(MAX)
     req, columns = encode_put(*put_args(trajectory([3], [2], 1.0)), signatures)
     assert isinstance(columns, dict) and req.version_start == [3]
     req2, deferred = encode_put(*put_args(trajectory([5], [0], 2.0), version=7), signatures)
@@ -74,11 +76,20 @@ def test_a_known_signature_is_deferred_and_the_first_of_it_learns_it() -> None:
     ids=lambda v: type(v).__name__,
 )
 def test_inputs_a_put_checks_row_by_row_are_never_deferred(value: Any) -> None:
-    assert Signatures.of({"x": [torch.zeros(1), torch.zeros(1)], "y": value}, None) is None
+    assert Signatures(MAX).of({"x": [torch.zeros(1), torch.zeros(1)], "y": value}, None) is None
+
+
+def test_a_put_too_large_to_coalesce_is_encoded_in_its_call() -> None:
+    signatures = Signatures(1000)
+    encode_put(*put_args({"x": [torch.zeros(10)]}), signatures)
+    small = encode_put(*put_args({"x": [torch.zeros(20)]}), signatures)[1]
+    assert isinstance(small, Deferred)  # 80 + 16 bytes of offsets
+    for rows in ([torch.zeros(300)], [torch.zeros(100)] * 3):  # 1,216 and 1,232 bytes
+        assert isinstance(encode_put(*put_args({"x": rows}), signatures)[1], dict)
 
 
 def test_signatures_are_kept_up_to_a_limit() -> None:
-    signatures = Signatures()
+    signatures = Signatures(MAX)
     for i in range(Signatures.LIMIT + 5):
         encode_put(*put_args({f"f{i}": torch.zeros(1)}), signatures)
     assert len(signatures._schemas) == Signatures.LIMIT
@@ -109,7 +120,7 @@ puts_st = st.lists(
 def test_a_batch_encoded_at_the_merge_is_the_put_of_puts_encoded_in_their_calls(
     puts: list[Any], versions_field: str | None
 ) -> None:
-    signatures = Signatures()
+    signatures = Signatures(MAX)
     encode_put(*put_args(trajectory([1], [1], 0.0), versions_field=versions_field), signatures)
     eager, lazy = [], []
     for i, (rows, version, deferred) in enumerate(puts):

@@ -90,7 +90,8 @@ class Client:
         self._io = io or LoopThread(name="tqstream-client-io")
         self._closed = False
         self._on_close = on_close
-        self._signatures = Signatures()  # of the puts this client encoded (deferred.py)
+        # of the puts this client encoded (deferred.py)
+        self._signatures = Signatures(self.config.direct_put_bytes)
         # every connection of this client (its IO thread's and its lanes') names the same session:
         # the controller gives back what the client held only when all of them are gone
         session = secrets.token_bytes(16)

@@ -142,13 +142,17 @@ class Signatures:
     LIMIT = 256
     """Signatures kept; a client that has seen more encodes the others' puts in their calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self._schemas: dict[Hashable, dict[str, FieldSchema]] = {}
+        self.max_bytes = max_bytes
+        """Only a put below this size is deferred (``direct_put_bytes``: a put coalescing can
+        take); a larger one is encoded in its caller's thread, never on the loop that sends
+        the client's other requests."""
 
-    @staticmethod
-    def of(data: Any, versions_field: str | None) -> tuple[Hashable, int, int, Input] | None:
+    def of(self, data: Any, versions_field: str | None) -> tuple[Hashable, int, int, Input] | None:
         """``(signature, rows, bytes, input)`` of a put's input, or None if it cannot be
-        deferred (not a dict of plain tensors and lists of them with one row count)."""
+        deferred (not a dict of plain tensors and lists of them with one row count, or not
+        below ``max_bytes``)."""
         if type(data) is not dict or not data:
             return None
         sig: list[Any] = [versions_field]
@@ -169,14 +173,17 @@ class Signatures:
                     if t is not value[0] and _row(t) != row:
                         return None
                     size += t.nbytes
+                    if nbytes + size >= self.max_bytes:  # a large put: not a row more
+                        return None
                 rows, value = len(value), list(value)  # the caller's list may be reused
                 size += 8 * (rows + 1)
                 sig.append((name, True, *row))
             else:
                 return None
-            if not rows or (n >= 0 and rows != n):
+            nbytes += size
+            if not rows or (n >= 0 and rows != n) or nbytes >= self.max_bytes:
                 return None
-            n, nbytes, fields[name] = rows, nbytes + size, value
+            n, fields[name] = rows, value
         return tuple(sig), n, nbytes, fields
 
     def known(self, signature: Hashable) -> dict[str, FieldSchema] | None:

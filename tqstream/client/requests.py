@@ -123,7 +123,7 @@ def encode_put(
     """Encode the batch into columns and the prepare request (in the caller's thread). With
     ``signatures`` (a coalescing client's), an input whose signature is known is deferred
     (``deferred.py``): the request is made and checked, the columns are encoded when it is sent."""
-    signed = None if signatures is None else Signatures.of(data, versions_field)
+    signed = None if signatures is None else signatures.of(data, versions_field)
     schemas = None
     if signatures is not None and signed is not None and not reject_mixed_versions:
         schemas = signatures.known(signed[0])
