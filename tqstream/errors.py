@@ -18,6 +18,7 @@ __all__ = [
     "AdmissionError",
     "AuthenticationError",
     "BatchShapeError",
+    "BucketError",
     "CapacityError",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -111,6 +112,13 @@ class BatchShapeError(TQStreamError, ValueError):
     """A put whose fields disagree on the row count, or that has no rows or no fields."""
 
     code = "batch_shape"
+
+
+class BucketError(TQStreamError, ValueError):
+    """Buckets that are empty, not positive or not increasing, or a ragged row longer than the
+    largest bucket a read pads to (the JAX adapter's fixed shapes)."""
+
+    code = "bucket"
 
 
 class DuplicateKeyError(TQStreamError, ValueError):

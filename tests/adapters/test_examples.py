@@ -19,6 +19,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
     [
         ("stream.py", None, "rows"),
         ("torch_dataloader.py", None, "trained 128 of 128 rows"),
+        ("jax_trainer.py", "jax", "trained 128 of 128 rows in 8 steps, 1 compilations"),
         ("areal_rollout.py", "areal", ""),
         ("verl_asyncrl.py", "verl", ""),
         ("verl_fully_async.py", "verl", ""),

@@ -11,6 +11,8 @@ missing.
   consumer.
 - :mod:`tqstream.adapters.verl` — ``DataProto`` ⇄ rows, the fully-async recipe's ``MessageQueue``
   and ``MessageQueueClient`` (a drop-in), the AsyncRL recipe's experience calls and the slot API.
+- :mod:`tqstream.adapters.jax` — ``ExperienceIterator`` of ``jax.Array`` batches (ragged fields
+  padded to buckets, global arrays over a ``Sharding``) and ``ExperienceWriter`` for jax/numpy.
 - :mod:`tqstream.adapters.nemo_rl` — NeMo-RL's ``DataPlaneClient`` on tqstream, with its staleness
   samplers on tqstream's windows and admission.
 
@@ -24,9 +26,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["areal", "nemo_rl", "require", "torch", "verl"]
+__all__ = ["areal", "jax", "nemo_rl", "require", "torch", "verl"]
 
-_SUBMODULES = ("areal", "nemo_rl", "torch", "verl")
+_SUBMODULES = ("areal", "jax", "nemo_rl", "torch", "verl")
 
 
 def require(module: str, framework: str, install: str) -> ModuleType:
