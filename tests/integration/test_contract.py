@@ -157,6 +157,34 @@ def test_lease_expiry_makes_rows_available(client: Client, partition: str) -> No
     assert client.ack(again) == 3
 
 
+def test_a_late_ack_fails_even_after_another_reader_acked_the_rows(
+    client: Client, partition: str
+) -> None:
+    """The first reader trained on rows that went to a second reader, which acked them: the
+    first must learn it, not get a silent 0."""
+    client.put({"x": torch.arange(3)}, partition)
+    late = client.get_meta(partition, "x", 3, "t", lease_timeout=0.3)
+    other = client.get_meta(partition, "x", 3, "t", timeout=5)  # after late's lease expired
+    assert client.ack(other) == 3
+    assert client.ack(other) == 0  # a repeat of an ack that succeeded: harmless
+    with pytest.raises(tqstream.LeaseExpiredError, match=r"expired \(lease_timeout\)"):
+        client.ack(late)
+    with pytest.raises(tqstream.LeaseExpiredError, match="another reader"):
+        client.release(late)
+
+
+def test_a_partial_ack_repeated_after_expiry_is_harmless(client: Client, partition: str) -> None:
+    client.put({"x": torch.arange(4)}, partition)
+    meta = client.get_meta(partition, "x", 4, "t", lease_timeout=0.3)
+    assert client.ack(meta.select([0, 1])) == 2
+    again = client.get_meta(partition, "x", 2, "t", timeout=5)  # the other two, after expiry
+    assert sorted(again.row_ids) == sorted(meta.row_ids[2:])
+    assert client.ack(meta.select([0, 1])) == 0  # what this lease acked itself
+    with pytest.raises(tqstream.LeaseExpiredError, match="its 2 unacked rows"):
+        client.ack(meta)
+    assert client.ack(again) == 2
+
+
 def test_ack_unknown_lease(client: Client, partition: str) -> None:
     meta = client.put({"x": torch.arange(2)}, partition)
     with pytest.raises(tqstream.InvalidRequestError, match="holds no lease"):

@@ -165,6 +165,7 @@ class MLease:
     granted: list[int]
     deadline: float
     status: str = "active"  # acked, released, expired, cleared
+    acked: set[int] = dataclasses.field(default_factory=set)  # rows acked under it
 
 
 @dataclasses.dataclass
@@ -408,6 +409,8 @@ class ControllerMachine(RuleBasedStateMachine):
         part = self.parts.get(partition)
         if part is None or lease.status == "cleared" or part.inc != lease.inc:
             return None, []  # its partition is gone: a harmless repeat
+        if lease.status == "expired":  # whatever became of its rows, but a repeat of its acks
+            return (None if set(rows) <= lease.acked else LeaseExpiredError), []
         acked = part.acked.get(task, set())
         live = [r for r in rows if r in part.rows]
         mine = lease.rows if lease.status == "active" else set()
@@ -422,6 +425,7 @@ class ControllerMachine(RuleBasedStateMachine):
             del part.leased[lease.task][rid]
             if status == "acked":
                 part.acked.setdefault(lease.task, set()).add(rid)
+                lease.acked.add(rid)
             lease.rows.discard(rid)
         if not lease.rows:
             lease.status = status

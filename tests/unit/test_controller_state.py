@@ -657,8 +657,8 @@ def test_lease_expiry_makes_rows_available_and_late_ack_fails() -> None:
         s.ack("p", "actor", m.lease_id, m.row_ids)
     assert str(err.value) == (
         f"lease {m.lease_id} of task 'actor' expired (lease_timeout) before this call: its 1 "
-        f"unacked rows went back to available and may be delivered again; ack sooner or pass a "
-        f"longer lease_timeout to get_meta"
+        f"unacked rows went back to available and may have been delivered to another reader; "
+        f"ack sooner or pass a longer lease_timeout to get_meta"
     )
     with pytest.raises(LeaseExpiredError):
         s.release("p", "actor", m.lease_id, [m.row_ids[1]], 6.0)

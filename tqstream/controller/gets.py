@@ -303,6 +303,8 @@ class Gets:
         if n:
             p.task(task).tokens_masked += tokens_masked
         lease.rows.difference_update(rows)
+        if lease.rows and rows:  # a partial ack: remembered, so that repeating it stays harmless
+            lease.acked = set(rows) if lease.acked is None else lease.acked | set(rows)
         if lease.current_version is not None:
             hist = p.task(task).lag
             for rid in rows:
@@ -358,28 +360,33 @@ class Gets:
             )
         if p is None or status in ("cleared", "reset") or lease_id < p.born:
             return None, None
+        before = self.leases.acked_before_end(lease_id)
+        if status in ("disconnected", "expired") and before.issuperset(row_ids):
+            return None, None  # a repeat of an ack this lease made before it ended
+        unacked = len(set(row_ids) - before)
+        if status == "disconnected":  # whatever became of its rows: the batch went elsewhere
+            raise LeaseExpiredError(
+                f"lease {lease_id} of task {task!r} was given up when the connection that took it "
+                f"dropped (the client died, or missed heartbeats for 3 intervals): its {unacked} "
+                f"unacked rows went back to available and may have been delivered to another "
+                f"reader",
+                lease_id=lease_id,
+            )
+        if status == "expired":
+            raise LeaseExpiredError(
+                f"lease {lease_id} of task {task!r} expired (lease_timeout) before this call: its "
+                f"{unacked} unacked rows went back to available and may have been delivered to "
+                f"another reader; ack sooner or pass a longer lease_timeout to get_meta",
+                lease_id=lease_id,
+            )
         if lease is not None and lease.rows.issuperset(row_ids):
             return lease, p
         t = p.tasks.get(task)
         acked: Set[int] = t.acked if t is not None else set()
         live = [r for r in row_ids if r in p.rows]
         outside = [r for r in live if r not in acked and (lease is None or r not in lease.rows)]
-        if not outside:
+        if not outside:  # a repeat of an ack that succeeded (the lease ended "acked")
             return lease, p
-        if status == "disconnected":
-            raise LeaseExpiredError(
-                f"lease {lease_id} of task {task!r} was given up when the connection that took it "
-                f"dropped (the client died, or missed heartbeats for 3 intervals): its "
-                f"{len(outside)} unacked rows went back to available and may be delivered again",
-                lease_id=lease_id,
-            )
-        if status == "expired":
-            raise LeaseExpiredError(
-                f"lease {lease_id} of task {task!r} expired (lease_timeout) before this call: its "
-                f"{len(outside)} unacked rows went back to available and may be delivered again; "
-                f"ack sooner or pass a longer lease_timeout to get_meta",
-                lease_id=lease_id,
-            )
         raise LeaseError(
             f"{len(outside)} rows are not leased under lease {lease_id} of task "
             f"{task!r} (released earlier, or never part of it)",

@@ -355,6 +355,11 @@ class Lease:
     current_version: int | None = None  # the reader's version, for the lag at consumption
     measure: Measure = "head"
     owner: Any = None  # the reader's peer: its rows go back to available when it disconnects
+    acked: set[int] | None = None  # rows acked under it while others stay leased (a partial ack)
+
+
+PARTLY_ACKED_LIMIT = 10_000
+"""Leases that expired after a partial ack whose acked rows are remembered, the newest ones."""
 
 
 class LeaseTable(Ledger[Lease, LeaseEnd]):
@@ -364,6 +369,9 @@ class LeaseTable(Ledger[Lease, LeaseEnd]):
 
     def __init__(self) -> None:
         super().__init__(get_args(LeaseEnd))
+        # lease id -> the rows acked under it before it expired or was given up: a repeat of
+        # that ack is harmless, any other call on the lease raises (its batch went elsewhere)
+        self._partly_acked: dict[int, frozenset[int]] = {}
 
     def grant(self, lease: Lease) -> None:
         self._start(lease.lease_id, lease)
@@ -371,7 +379,16 @@ class LeaseTable(Ledger[Lease, LeaseEnd]):
     def end(self, lease: Lease, status: LeaseEnd) -> None:
         """The lease ends (``status`` answers a late ack or release); ending it again is a
         no-op."""
-        self._finish(lease.lease_id, status)
+        ended = self._finish(lease.lease_id, status)
+        if ended is not None and ended.acked and status in ("expired", "disconnected"):
+            if len(self._partly_acked) >= PARTLY_ACKED_LIMIT:
+                del self._partly_acked[next(iter(self._partly_acked))]
+            self._partly_acked[lease.lease_id] = frozenset(ended.acked)
+
+    def acked_before_end(self, lease_id: int) -> frozenset[int]:
+        """The rows acked under an expired or given-up lease before it ended (empty: none, or
+        forgotten)."""
+        return self._partly_acked.get(lease_id, frozenset())
 
     def status(self, lease_id: int) -> Literal["active"] | LeaseEnd | None:
         """``"active"``, how the lease ended, or None (never granted, or ended too long ago)."""
