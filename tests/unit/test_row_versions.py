@@ -14,7 +14,7 @@ from tqstream.convert.inputs import columns_from_data
 from tqstream.errors import SchemaError
 
 DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
-token = st.integers(-1, 100)
+token = st.integers(-3, 100)  # any negative is a prompt position
 
 
 def expected(rows: list[list[int]], fallback: int | None) -> tuple[list, list]:
@@ -42,13 +42,22 @@ def test_ragged_rows_match_brute_force(rows: list[list[int]], dtype: torch.dtype
     n=st.integers(1, 6),
     length=st.integers(0, 6),
     data=st.data(),
+    dtype=st.sampled_from(DTYPES),
     fallback=st.none() | st.integers(0, 9),
 )
-def test_dense_rows_match_brute_force(n: int, length: int, data: st.DataObject, fallback) -> None:
+def test_dense_rows_match_brute_force(
+    n: int, length: int, data: st.DataObject, dtype: torch.dtype, fallback
+) -> None:
     rows = [data.draw(st.lists(token, min_size=length, max_size=length)) for _ in range(n)]
-    t = torch.tensor(rows, dtype=torch.int32).reshape(n, length)
+    t = torch.tensor(rows, dtype=dtype).reshape(n, length)
     _, columns = columns_from_data({"versions": t})
     assert row_versions("versions", columns["versions"], fallback) == expected(rows, fallback)
+
+
+def test_uint8_versions_are_all_generated_tokens() -> None:
+    _, columns = columns_from_data({"versions": [torch.tensor([3, 250], dtype=torch.uint8),
+                                                 torch.tensor([], dtype=torch.uint8)]})  # fmt: skip
+    assert row_versions("versions", columns["versions"], 7) == ([3, 7], [250, 7])
 
 
 def test_large_versions_keep_their_exact_value() -> None:
