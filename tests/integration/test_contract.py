@@ -185,6 +185,35 @@ def test_a_partial_ack_repeated_after_expiry_is_harmless(client: Client, partiti
     assert client.ack(again) == 2
 
 
+def test_a_resumed_ack_consumes_what_no_one_took_since_its_lease_ended(
+    client: Client, partition: str
+) -> None:
+    """A trainer checkpointed after training a batch and died before acking it: the run resumed
+    from the checkpoint acks it with resumed=True, and the rows are consumed, not read twice."""
+    client.put({"x": torch.arange(3)}, partition)
+    meta = client.get_meta(partition, "x", 3, "t", lease_timeout=0.3)
+    deadline = time.monotonic() + 5
+    while client.stats(partition).partitions[partition].tasks["t"].leased:
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.05)
+    with pytest.raises(tqstream.LeaseExpiredError):
+        client.ack(meta)
+    assert client.ack(meta, resumed=True) == 3
+    assert client.ack(meta, resumed=True) == 0  # a repeat
+    with pytest.raises(tqstream.RequestTimeoutError):
+        client.get_meta(partition, "x", 1, "t", timeout=0)
+
+
+def test_a_resumed_ack_of_rows_another_reader_took_fails(client: Client, partition: str) -> None:
+    client.put({"x": torch.arange(3)}, partition)
+    meta = client.get_meta(partition, "x", 3, "t", lease_timeout=0.3)
+    other = client.get_meta(partition, "x", 2, "t", timeout=5)  # after the lease expired
+    with pytest.raises(tqstream.LeaseExpiredError, match="2 of its rows went to another reader"):
+        client.ack(meta, resumed=True)
+    assert client.ack(other) == 2
+    assert client.stats(partition).partitions[partition].tasks["t"].available == 1
+
+
 def test_ack_unknown_lease(client: Client, partition: str) -> None:
     meta = client.put({"x": torch.arange(2)}, partition)
     with pytest.raises(tqstream.InvalidRequestError, match="holds no lease"):

@@ -193,7 +193,7 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
         client = self._conn.client()
         client.create_partition(self.partition, self.fields)  # wait for producers, not fail
         if self._restored is not None:  # trained before the checkpoint this run resumes from
-            client.ack(self._restored)
+            client.ack(self._restored, resumed=True)
             self._restored = None
         while True:
             self._ack_pending(client)

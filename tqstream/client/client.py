@@ -720,12 +720,17 @@ class Client:
         return AdmissionHandle(self, name, style)
 
     # --- consumption ---
-    def ack(self, meta: BatchMeta) -> int:
-        """Consume the leased rows of ``meta`` for its task; returns how many were newly acked."""
-        return self._consume(meta, False)
+    def ack(self, meta: BatchMeta, *, resumed: bool = False) -> int:
+        """Consume the leased rows of ``meta`` for its task; returns how many were newly acked.
 
-    async def async_ack(self, meta: BatchMeta) -> int:
-        return await self._async(ClientCore.ack, meta)
+        ``resumed=True``: ``meta`` is a batch a checkpoint trained on, acked by the run resumed
+        from it. Its lease may have ended since (the trainer died): its rows no other reader
+        took meanwhile are consumed now; rows another reader took raise ``LeaseExpiredError``
+        (they were trained on twice)."""
+        return self._consume(meta, False, resumed)
+
+    async def async_ack(self, meta: BatchMeta, *, resumed: bool = False) -> int:
+        return await self._async(ClientCore.ack, meta, False, True, resumed)
 
     def reset_consumption(self, partition: str, task: str | None = None) -> int:
         """Make every row ``task`` (None: every task) has leased or acked available to it again,
@@ -742,11 +747,11 @@ class Client:
         """Give the leased rows back unconsumed; they keep their place in the order."""
         return self._consume(meta, True)
 
-    def _consume(self, meta: BatchMeta, release: bool) -> int:
+    def _consume(self, meta: BatchMeta, release: bool, resumed: bool = False) -> int:
         if self.config.coalesce_window:  # acks of several threads meet on the IO thread
             self._check()
-            return self._io.run(ClientCore.ack(self._core, meta, release))  # type: ignore[no-any-return]
-        return self._sync(ClientCore.ack, meta, release, False)  # type: ignore[no-any-return]
+            return self._io.run(ClientCore.ack(self._core, meta, release, True, resumed))  # type: ignore[no-any-return]
+        return self._sync(ClientCore.ack, meta, release, False, resumed)  # type: ignore[no-any-return]
 
     async def async_release(self, meta: BatchMeta) -> int:
         return await self._async(ClientCore.ack, meta, True)

@@ -843,7 +843,9 @@ class ClientCore:
         return (await self._ask(ListKeys(rid=0, partition=partition), KeysReply)).keys
 
     # --- consumption and lifecycle ---
-    async def ack(self, meta: BatchMeta, release: bool = False, coalesce: bool = True) -> int:
+    async def ack(
+        self, meta: BatchMeta, release: bool = False, coalesce: bool = True, resumed: bool = False
+    ) -> int:
         """Ack (or release) ``meta``'s rows; with ``coalesce`` (and ``coalesce_window`` not None)
         in one message with the acks and releases issued with it, each answered alone."""
         if meta.lease_id is None or meta.task is None:
@@ -856,7 +858,7 @@ class ClientCore:
             msg: Any = Release(rid=0, partition=p, task=t, lease_id=lease, row_ids=rows)
         else:
             msg = Ack(rid=0, partition=p, task=t, lease_id=lease, row_ids=rows,
-                      tokens_masked=meta.tokens_masked)  # fmt: skip
+                      tokens_masked=meta.tokens_masked, resumed=resumed)  # fmt: skip
         if coalesce and self.config.coalesce_window is not None:
             return await self._consume_coalesced(msg)
         return (await self._ask(msg, Ok)).count

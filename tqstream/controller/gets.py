@@ -292,10 +292,11 @@ class Gets:
         return n, Effects(touched={partition})
 
     def ack(
-        self, partition: str, task: str, lease_id: int, row_ids: list[int], tokens_masked: int = 0
-    ) -> tuple[int, Effects]:
+        self, partition: str, task: str, lease_id: int, row_ids: list[int], tokens_masked: int = 0,
+        resumed: bool = False,
+    ) -> tuple[int, Effects]:  # fmt: skip
         effects = Effects()
-        lease, p = self._lease_for(partition, task, lease_id, row_ids)
+        lease, p = self._lease_for(partition, task, lease_id, row_ids, resumed)
         if lease is None or p is None:
             return 0, effects
         rows = [r for r in row_ids if r in lease.rows]
@@ -340,9 +341,11 @@ class Gets:
         return n, effects
 
     def _lease_for(
-        self, partition: str, task: str, lease_id: int, row_ids: list[int]
+        self, partition: str, task: str, lease_id: int, row_ids: list[int], resumed: bool = False
     ) -> tuple[Lease | None, Partition | None]:
-        """The active lease, or None when the call is a harmless repeat; raises otherwise."""
+        """The active lease, or None when the call is a harmless repeat; raises otherwise.
+        ``resumed``: the ack of a batch a checkpoint trained on, whose lease may have ended
+        since (the trainer died): see :meth:`_reclaim`."""
         p = self.catalog.partitions.get(partition)
         lease = self.leases.get(lease_id)
         if lease is not None and (lease.task != task or lease.partition != partition):
@@ -363,6 +366,8 @@ class Gets:
         before = self.leases.acked_before_end(lease_id)
         if status in ("disconnected", "expired") and before.issuperset(row_ids):
             return None, None  # a repeat of an ack this lease made before it ended
+        if resumed and status in ("disconnected", "expired"):
+            return self._reclaim(p, task, lease_id, row_ids, before), p
         unacked = len(set(row_ids) - before)
         if status == "disconnected":  # whatever became of its rows: the batch went elsewhere
             raise LeaseExpiredError(
@@ -392,6 +397,33 @@ class Gets:
             f"{task!r} (released earlier, or never part of it)",
             lease_id=lease_id,
         )
+
+    def _reclaim(
+        self, p: Partition, task: str, lease_id: int, row_ids: list[int], before: frozenset[int]
+    ) -> Lease | None:
+        """A new lease over the rows of an ended lease that no one took since (available to
+        ``task``), for the ack of a checkpoint's batch: the run that survives trained on them.
+        Rows another reader leased or acked meanwhile were trained on twice: an error."""
+        t = p.tasks.get(task)
+        leased = {} if t is None else t.leased
+        live = [r for r in dict.fromkeys(row_ids) if r in p.rows and r not in before]
+        gone = [r for r in live if r in leased or (t is not None and t.is_acked(r))]
+        if gone:
+            raise LeaseExpiredError(
+                f"lease {lease_id} of task {task!r} ended before the resumed run acked it, and "
+                f"{len(gone)} of its rows went to another reader meanwhile (they were trained on "
+                f"twice); restart within lease_timeout, or pass a longer one to get_meta",
+                lease_id=lease_id,
+                rows=len(gone),
+            )
+        if not live:
+            return None
+        claim = next(self.ids)
+        p.lease(task, live, claim)
+        lease = Lease(claim, p.name, task, set(live), 0.0)
+        self.leases.grant(lease)  # acked at once by the caller, on behalf of the ended lease:
+        self.leases.acked_after_end(lease_id, live)  # repeating this ack is harmless
+        return lease
 
     # --- deadlines ---
     def expire_lease(self, lease_id: int, deadline: float) -> str | None:

@@ -4,7 +4,7 @@ leases, parked requests, and the version arithmetic of staleness windows. Pure d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
 import msgspec
@@ -381,9 +381,13 @@ class LeaseTable(Ledger[Lease, LeaseEnd]):
         no-op."""
         ended = self._finish(lease.lease_id, status)
         if ended is not None and ended.acked and status in ("expired", "disconnected"):
-            if len(self._partly_acked) >= PARTLY_ACKED_LIMIT:
-                del self._partly_acked[next(iter(self._partly_acked))]
-            self._partly_acked[lease.lease_id] = frozenset(ended.acked)
+            self.acked_after_end(lease.lease_id, ended.acked)
+
+    def acked_after_end(self, lease_id: int, rows: Iterable[int]) -> None:
+        """``rows`` count as acked under the ended lease ``lease_id`` (a repeat is harmless)."""
+        if lease_id not in self._partly_acked and len(self._partly_acked) >= PARTLY_ACKED_LIMIT:
+            del self._partly_acked[next(iter(self._partly_acked))]
+        self._partly_acked[lease_id] = self._partly_acked.get(lease_id, frozenset()) | set(rows)
 
     def acked_before_end(self, lease_id: int) -> frozenset[int]:
         """The rows acked under an expired or given-up lease before it ended (empty: none, or

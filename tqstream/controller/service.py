@@ -345,7 +345,7 @@ class ControllerService:
         s = self.state
         if isinstance(msg, Ack):
             n, effects = s.ack(msg.partition, msg.task, msg.lease_id, msg.row_ids,
-                               msg.tokens_masked)  # fmt: skip
+                               msg.tokens_masked, msg.resumed)  # fmt: skip
         else:
             n, effects = s.release(msg.partition, msg.task, msg.lease_id, msg.row_ids, now)
         self._apply(effects)

@@ -252,9 +252,10 @@ class ControllerState:
         return self.reads.list_rows(partition, fields, task)
 
     def ack(
-        self, partition: str, task: str, lease_id: int, row_ids: list[int], tokens_masked: int = 0
-    ) -> tuple[int, Effects]:
-        n, effects = self.reads.ack(partition, task, lease_id, row_ids, tokens_masked)
+        self, partition: str, task: str, lease_id: int, row_ids: list[int], tokens_masked: int = 0,
+        resumed: bool = False,
+    ) -> tuple[int, Effects]:  # fmt: skip
+        n, effects = self.reads.ack(partition, task, lease_id, row_ids, tokens_masked, resumed)
         return n, self.settle(effects, self.now)
 
     def release(

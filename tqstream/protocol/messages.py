@@ -295,6 +295,8 @@ class Ack(_Msg, frozen=True, tag="ack"):
     lease_id: Id
     row_ids: Ids
     tokens_masked: Tokens = 0  # generated tokens of these rows outside a token-measure window
+    # the meta came from a checkpoint: rows of its ended lease still available are consumed
+    resumed: bool = False
 
 
 class Release(_Msg, frozen=True, tag="release"):
