@@ -17,7 +17,7 @@ and reads on: every row is trained on once.
 from __future__ import annotations
 
 import contextlib
-import queue
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,6 +37,7 @@ from tqstream.adapters.jax.arrays import (
     torch_view,
 )
 from tqstream.adapters.jax.batch import JaxBatch
+from tqstream.adapters.jax.prefetch import Prefetcher
 from tqstream.adapters.jax.sharding import Placement
 from tqstream.adapters.torch import _Connection
 from tqstream.client.batch import Batch
@@ -59,6 +60,9 @@ __all__ = ["ExperienceIterator"]
 PadValues = float | Mapping[str, float]
 _ACK_MODES = ("next", "manual")
 _END = object()  # the prefetcher's mark for a finite stream that ended
+_WAIT_SLICE = 0.5
+"""How long a prefetcher's read waits for rows at a time when reads wait forever
+(``timeout=None``): a read in flight cannot be called back, so close() waits up to that."""
 
 
 class ExperienceIterator:
@@ -132,9 +136,7 @@ class ExperienceIterator:
         self._yielded = 0
         self._started = False
         self._ended = False
-        self._ahead: queue.Queue[Any] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ahead: Prefetcher | None = None
 
     # --- reading ---
     def __iter__(self) -> ExperienceIterator:
@@ -178,34 +180,36 @@ class ExperienceIterator:
     def _start(self, prefetching: bool = True) -> Client:
         client = self._conn.client()
         if not self._started:
-            self._started = True
             client.create_partition(self.partition, self.fields)  # wait for producers, not fail
             if self._restored is not None:  # trained on before the checkpoint resumed from
-                client.ack(self._restored)
+                client.ack(self._restored, resumed=True)  # raises: not started, nothing read
                 self._restored = None
-        if prefetching and self.prefetch and self._thread is None:
-            self._ahead = queue.Queue(maxsize=self.prefetch)
-            self._thread = threading.Thread(
-                target=self._prefetch, args=(client,), name="tqstream-jax-prefetch", daemon=True
-            )
-            self._thread.start()
+            self._started = True
+        if prefetching and self.prefetch and self._ahead is None:
+            read = functools.partial(self._read_ahead, client)
+            self._ahead = Prefetcher(read, self.prefetch, _END, client)
         return client
 
-    def _window(self, count: int | None, version: int | None) -> dict[str, Any]:
+    def _window(
+        self, count: int | None, version: int | None, timeout: float | None = None
+    ) -> dict[str, Any]:
         version = (None if self.version_fn is None else self.version_fn()) if version is None \
             else version  # fmt: skip
         return dict(
             partition=self.partition, fields=self.fields,
             batch_size=self.placement.local_rows if count is None else count, task=self.task,
             whole_groups=self.whole_groups, lease_timeout=self.lease_timeout,
-            timeout=self.timeout, current_version=version, staleness=self.staleness,
-            versions_field=self.versions_field,
+            timeout=self.timeout if timeout is None else timeout, current_version=version,
+            staleness=self.staleness, versions_field=self.versions_field,
         )  # fmt: skip
 
-    def _read(self, client: Client, count: int | None, version: int | None) -> Any:
+    def _read(
+        self, client: Client, count: int | None, version: int | None,
+        timeout: float | None = None,
+    ) -> Any:  # fmt: skip
         """A leased batch (meta and columns), or ``_END`` once a finite stream is drained."""
         try:
-            read = client.get(**self._window(count, version))
+            read = client.get(**self._window(count, version, timeout))
         except PartitionDrainedError:
             if not self.finite:
                 raise
@@ -220,43 +224,29 @@ class ExperienceIterator:
             return _END
         return read
 
-    def _prefetch(self, client: Client) -> None:
-        """Lease and convert ahead; every outcome (a batch, the end, an error) goes to the queue
-        in order. A timeout is passed on and the thread reads on; any other error ends it."""
-        assert self._ahead is not None
+    def _read_ahead(self, client: Client, stop: threading.Event) -> Any:
+        """The prefetcher's read: a batch (converted, where this process alone decides its
+        shapes), ``_END``, or the error to hand over; None once ``stop`` is set. A read that
+        would wait forever waits in slices of ``_WAIT_SLICE``, so close() stops it."""
         local = self.placement.processes == 1  # else conversion agrees on lengths: caller's thread
-        while not self._stop.is_set():
+        wait = _WAIT_SLICE if self.timeout is None else self.timeout
+        while not stop.is_set():
             try:
-                item = self._read(client, None, None)
-                if item is not _END and local:
-                    item = self._convert(client, item)
+                item = self._read(client, None, None, wait)
+                return self._convert(client, item) if local and item is not _END else item
             except RequestTimeoutError as exc:
-                item = exc
+                if self.timeout is not None:
+                    return exc
             except BaseException as exc:
-                self._put_ahead(exc)
-                return
-            if not self._put_ahead(item) and isinstance(item, Batch | JaxBatch) and item.meta:
-                with contextlib.suppress(Exception):  # closing: give the lease back
-                    client.release(item.meta)
-            if item is _END:
-                return
-
-    def _put_ahead(self, item: Any) -> bool:
-        assert self._ahead is not None
-        while not self._stop.is_set():
-            try:
-                self._ahead.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+                return exc
+        return None
 
     def _take(self) -> Any:
         assert self._ahead is not None
-        item = self._ahead.get()
+        item = self._ahead.take()
         if isinstance(item, BaseException):
             if not isinstance(item, RequestTimeoutError):
-                self._thread = None  # the prefetcher stopped; a later call starts another
+                self._ahead = None  # the prefetcher stopped; a later call starts another
             raise item
         return item
 
@@ -350,17 +340,9 @@ class ExperienceIterator:
     def close(self) -> None:
         """Stop prefetching and give back the batches leased ahead (not the one yielded last:
         with ``ack="next"`` ack it, or it returns to the task when its lease expires)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-            self._thread = None
         ahead, self._ahead = self._ahead, None
-        while ahead is not None and not ahead.empty():
-            item = ahead.get_nowait()
-            if isinstance(item, Batch | JaxBatch) and item.meta is not None:
-                with contextlib.suppress(Exception):
-                    self._conn.client().release(item.meta)
-        self._stop = threading.Event()
+        if ahead is not None:
+            ahead.close()
 
     def __enter__(self) -> ExperienceIterator:
         return self
