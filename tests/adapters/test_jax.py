@@ -955,3 +955,31 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_exactly_once(
 def test_grain_names_are_the_checkpoint_methods() -> None:
     assert ExperienceIterator.get_state is ExperienceIterator.state_dict
     assert ExperienceIterator.set_state is ExperienceIterator.load_state_dict
+
+
+def test_a_checkpoint_taken_just_before_a_kill_resumes_without_rereading(
+    client: Client, partition: str
+) -> None:
+    """Killed after its checkpoint and before asking for the next batch: the checkpoint's batch
+    was never acked and its lease ended since. The resumed run acks it (resumed), and neither
+    it nor anyone else reads those rows again."""
+    writer = ExperienceWriter(client, partition=partition)
+    writer.put_experience({"x": np.arange(4, dtype=np.int32)}, current_version=0)
+    first = ExperienceIterator(client, ["x"], 2, partition=partition, lease_timeout=0.3)
+    trained = next(first)
+    state = first.state_dict()  # the checkpoint, then the process dies
+    deadline = time.monotonic() + 5
+    while task_of(client, partition).leased:  # the dead trainer's lease runs out
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    resumed = ExperienceIterator(client, ["x"], 2, partition=partition, timeout=5)
+    resumed.load_state_dict(state)
+    rest = next(resumed)
+    assert sorted(np.asarray(rest["x"]).tolist() + np.asarray(trained["x"]).tolist()) == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    resumed.ack(rest)
+    assert task_of(client, partition).consumed == 4

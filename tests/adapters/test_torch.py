@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -254,3 +255,24 @@ def test_bad_input(client: Client, partition: str) -> None:
     with pytest.raises(tqstream.InvalidRequestError, match=r"current_version must be"):
         writer.put_experience({"x": [torch.zeros(2)]}, current_version=None)  # type: ignore[arg-type]
     assert client.stats(partition).partitions[partition].rows == 2  # nothing more stored
+
+
+def test_a_checkpoint_taken_just_before_a_kill_resumes_without_rereading(
+    client: Client, partition: str
+) -> None:
+    """Killed after its checkpoint and before asking for the next batch (ack="next"): the
+    resumed run acks the checkpoint's batch although its lease ended, and reads only the rest."""
+    client.put({"x": torch.arange(4)}, partition)
+    first = ExperienceDataset(client, ["x"], 2, partition=partition, lease_timeout=0.3)
+    trained = next(iter(first))
+    state = first.state_dict()  # the checkpoint, then the process dies
+    deadline = time.monotonic() + 5
+    while client.stats(partition).partitions[partition].tasks["actor"].leased:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    resumed = ExperienceDataset(client, ["x"], 2, partition=partition, timeout=5)
+    resumed.load_state_dict(state)
+    rest = next(iter(resumed))
+    assert sorted(rest["x"].tolist() + trained["x"].tolist()) == [0, 1, 2, 3]
+    resumed.ack(rest)
+    assert client.stats(partition).partitions[partition].tasks["actor"].consumed == 4
