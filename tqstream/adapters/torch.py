@@ -18,7 +18,6 @@ a fork), so the dataset holds the cluster's address and pickles to workers as su
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,12 +27,11 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch.utils.data import IterableDataset, get_worker_info
 
-import tqstream
-from tqstream.client.admission import AdmissionHandle
+from tqstream.adapters.common import Connection as _Connection
+from tqstream.adapters.common import ExperienceWriter
 from tqstream.client.client import Client, PadValues
 from tqstream.client.versions import tokens_outside
 from tqstream.errors import InvalidRequestError, PartitionDrainedError
-from tqstream.experience import Experience
 from tqstream.staleness import StalenessPolicy
 from tqstream.types import BatchMeta
 
@@ -46,34 +44,6 @@ _NEXT_IN_WORKER = (
     "ahead of the training step; with num_workers > 0 build the dataset with ack='manual' and "
     "call dataset.ack(batch) after each step"
 )
-
-
-class _Connection:
-    """A client per process: the given one in the process that built it, a new connection
-    (to the same address) in any other, e.g. a DataLoader worker after the fork."""
-
-    def __init__(self, source: str | Client) -> None:
-        self._client: Client | None
-        if isinstance(source, Client):
-            self.address, self._client, self._pid = source.address, source, os.getpid()
-        elif isinstance(source, str):
-            self.address, self._client, self._pid = source, None, os.getpid()
-        else:
-            raise InvalidRequestError(
-                f"pass the cluster's address (client.address, 'tcp://HOST:PORT') or a Client, "
-                f"got {type(source).__name__}"
-            )
-
-    def client(self) -> Client:
-        if self._client is None or self._pid != os.getpid():
-            self._client, self._pid = tqstream.connect(self.address), os.getpid()
-        return self._client
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"address": self.address}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.address, self._client, self._pid = state["address"], None, -1
 
 
 def meta_of(batch: TensorDictBase) -> BatchMeta:
@@ -295,49 +265,3 @@ def _broadcast_meta(meta: BatchMeta | None, group: Any) -> BatchMeta | None:
     )
     dist.broadcast(buf, src=src, group=group)
     return msgspec.msgpack.decode(buf.numpy().tobytes(), type=BatchMeta)
-
-
-class ExperienceWriter:
-    """A producer's handle on a partition: put one trajectory or one group per call, tagged with
-    the policy version that generated it; ``close()`` says this producer is done (see
-    ``ExperienceDataset(finite=True)``). ``admission``: slots handed back by each put (see
-    :class:`tqstream.Experience`). ``producers``: how many writers close the partition."""
-
-    def __init__(
-        self, source: str | Client, *, partition: str = "train",
-        fields: Sequence[str] | None = None, admission: AdmissionHandle | None = None,
-        versions_field: str | None = "versions", reject_mixed_versions: bool = False,
-        producers: int | None = None,
-    ) -> None:  # fmt: skip
-        self._conn = _Connection(source)
-        client = self._conn.client()
-        self.experience = Experience(
-            client, partition=partition, fields=fields, admission=admission,
-            versions_field=versions_field, reject_mixed_versions=reject_mixed_versions,
-        )  # fmt: skip
-        if producers is not None:
-            client.create_partition(partition, producers=producers)
-        self.partition = partition
-        self.closed = False
-
-    def put_experience(self, data: Any, current_version: int, **kwargs: Any) -> BatchMeta:
-        """Store rows generated under ``current_version``; ``group=`` one id for all of them
-        (one prompt's samples). Other arguments as :meth:`tqstream.Experience.put_experience`."""
-        return self.experience.put_experience(data, current_version, **kwargs)
-
-    async def async_put_experience(
-        self, data: Any, current_version: int, **kwargs: Any
-    ) -> BatchMeta:
-        return await self.experience.async_put_experience(data, current_version, **kwargs)
-
-    def close(self) -> None:
-        """This producer is done: once every declared producer closed it, readers drain it."""
-        if not self.closed:
-            self.closed = True
-            self._conn.client().close_partition(self.partition)
-
-    def __enter__(self) -> ExperienceWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

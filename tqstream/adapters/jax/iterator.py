@@ -26,6 +26,7 @@ import jax
 import msgspec
 import numpy as np
 
+from tqstream.adapters.common import Connection
 from tqstream.adapters.jax.arrays import (
     bucket_for,
     check_buckets,
@@ -39,7 +40,6 @@ from tqstream.adapters.jax.arrays import (
 from tqstream.adapters.jax.batch import JaxBatch
 from tqstream.adapters.jax.prefetch import Prefetcher
 from tqstream.adapters.jax.sharding import Placement
-from tqstream.adapters.torch import _Connection
 from tqstream.client.batch import Batch
 from tqstream.client.client import Client
 from tqstream.client.versions import FRESH_MASK
@@ -124,7 +124,7 @@ class ExperienceIterator:
                 "packed fields have no batch axis to shard; with a sharding read them padded "
                 "to buckets (or pack them per process, without a sharding)"
             )
-        self._conn = _Connection(source)
+        self._conn = Connection(source)
         self.batch_size, self.partition, self.task = batch_size, partition, task
         self.staleness, self.version_fn, self.whole_groups = staleness, version_fn, whole_groups
         self.pad_values, self.packed, self.ack_mode = pad_values, set(packed), ack

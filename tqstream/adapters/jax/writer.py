@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import torch
 
+from tqstream.adapters.common import ExperienceWriter as _Writer
 from tqstream.adapters.jax.arrays import torch_view, wire_name
-from tqstream.adapters.torch import ExperienceWriter as _TorchWriter
 from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
 from tqstream.errors import InvalidRequestError
@@ -43,7 +43,7 @@ class ExperienceWriter:
         versions_field: str | None = "versions", reject_mixed_versions: bool = False,
         producers: int | None = None,
     ) -> None:  # fmt: skip
-        self._writer = _TorchWriter(
+        self._writer = _Writer(
             source, partition=partition, fields=fields, admission=admission,
             versions_field=versions_field, reject_mixed_versions=reject_mixed_versions,
             producers=producers,

@@ -1,0 +1,94 @@
+"""What every adapter shares: a connection per process, and the producers' writer.
+
+Neither imports a framework (torch's own adapter and JAX's build on them), so a JAX trainer does
+not load tensordict or torch.utils.data to read from tqstream.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import tqstream
+from tqstream.client.admission import AdmissionHandle
+from tqstream.client.client import Client
+from tqstream.errors import InvalidRequestError
+from tqstream.experience import Experience
+from tqstream.types import BatchMeta
+
+__all__ = ["Connection", "ExperienceWriter"]
+
+
+class Connection:
+    """A client per process: the given one in the process that built it, a new connection
+    (to the same address) in any other, e.g. a DataLoader worker after the fork."""
+
+    def __init__(self, source: str | Client) -> None:
+        self._client: Client | None
+        if isinstance(source, Client):
+            self.address, self._client, self._pid = source.address, source, os.getpid()
+        elif isinstance(source, str):
+            self.address, self._client, self._pid = source, None, os.getpid()
+        else:
+            raise InvalidRequestError(
+                f"pass the cluster's address (client.address, 'tcp://HOST:PORT') or a Client, "
+                f"got {type(source).__name__}"
+            )
+
+    def client(self) -> Client:
+        if self._client is None or self._pid != os.getpid():
+            self._client, self._pid = tqstream.connect(self.address), os.getpid()
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.address, self._client, self._pid = state["address"], None, -1
+
+
+class ExperienceWriter:
+    """A producer's handle on a partition: put one trajectory or one group per call, tagged with
+    the policy version that generated it; ``close()`` says this producer is done (see
+    ``ExperienceDataset(finite=True)``). ``admission``: slots handed back by each put (see
+    :class:`tqstream.Experience`). ``producers``: how many writers close the partition."""
+
+    def __init__(
+        self, source: str | Client, *, partition: str = "train",
+        fields: Sequence[str] | None = None, admission: AdmissionHandle | None = None,
+        versions_field: str | None = "versions", reject_mixed_versions: bool = False,
+        producers: int | None = None,
+    ) -> None:  # fmt: skip
+        self._conn = Connection(source)
+        client = self._conn.client()
+        self.experience = Experience(
+            client, partition=partition, fields=fields, admission=admission,
+            versions_field=versions_field, reject_mixed_versions=reject_mixed_versions,
+        )  # fmt: skip
+        if producers is not None:
+            client.create_partition(partition, producers=producers)
+        self.partition = partition
+        self.closed = False
+
+    def put_experience(self, data: Any, current_version: int, **kwargs: Any) -> BatchMeta:
+        """Store rows generated under ``current_version``; ``group=`` one id for all of them
+        (one prompt's samples). Other arguments as :meth:`tqstream.Experience.put_experience`."""
+        return self.experience.put_experience(data, current_version, **kwargs)
+
+    async def async_put_experience(
+        self, data: Any, current_version: int, **kwargs: Any
+    ) -> BatchMeta:
+        return await self.experience.async_put_experience(data, current_version, **kwargs)
+
+    def close(self) -> None:
+        """This producer is done: once every declared producer closed it, readers drain it."""
+        if not self.closed:
+            self.closed = True
+            self._conn.client().close_partition(self.partition)
+
+    def __enter__(self) -> ExperienceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
