@@ -108,10 +108,11 @@ def assert_dataproto_equal(a: DataProto, b: DataProto) -> None:
 
 
 def put_and_read(client: tqstream.Client, dp: DataProto, partition: str, **read: Any) -> DataProto:
-    """One put of ``dp``'s rows (uid groups), one whole-groups get of them all, converted back."""
+    """One put of ``dp``'s rows (uid groups), one whole-groups get of them all (``len(rows)``: a
+    ``DataProto`` without rows is one row), converted back."""
     rows = dataproto_to_rows(dp)
     client.put(rows.data, partition, groups=rows.groups, version=0)
-    batch = client.get(partition, rows.fields, len(dp), "actor", whole_groups=True, timeout=10)
+    batch = client.get(partition, rows.fields, len(rows), "actor", whole_groups=True, timeout=10)
     batch.ack()
     return rows_to_dataproto(batch, **read)
 
@@ -359,6 +360,59 @@ def test_rows_of_several_puts_merge_as_dataproto_concat(
     assert fields is not None
     batch = client.get(partition, fields, 2, "actor", whole_groups=True, timeout=10)
     assert_dataproto_equal(DataProto.concat([a, b]), rows_to_dataproto(batch))
+
+
+def _verl_without_rows() -> list[DataProto]:
+    """The ``DataProto``s without rows verl's own tests build (``test_len``,
+    ``test_dataproto_no_batch``), built the same way."""
+    labels = ["a", "b", "c"]
+    popped = DataProto.from_dict(non_tensors={"labels": labels}, meta_info={"info": "test_info"})
+    popped.pop(non_tensor_batch_keys=["labels"])
+    return [
+        DataProto(batch=None, non_tensor_batch={}, meta_info={"info": "test_info"}),
+        DataProto(batch=None, non_tensor_batch=None, meta_info={"info": "test_info"}),
+        popped,
+    ]
+
+
+def test_a_dataproto_without_rows_reads_back_from_its_one_row(
+    client: tqstream.Client, partition: str
+) -> None:
+    """verl's empty ``DataProto``s (len 0) are one row of layout: a read asks for ``len(rows)``
+    rows (a read of ``len(dp)``, 0, is refused by the data plane) and gets an equal one."""
+    for i, dp in enumerate(_verl_without_rows()):
+        assert len(dp) == 0 and len(dataproto_to_rows(dp)) == 1
+        back = put_and_read(client, dp, f"{partition}-{i}")
+        assert len(back) == 0
+        assert_dataproto_equal(dp, back)
+
+
+def test_the_rows_fold_batch_dim_leaves_behind_round_trip(
+    client: tqstream.Client, partition: str
+) -> None:
+    """verl's ``fold_batch_dim`` reshapes the ``non_tensor_batch`` of the ``DataProto`` it is
+    given in place: ``[6]`` rows with ``[3, 2]`` labels (verl's own check refuses that state). Its
+    rows hold each array row by row; a read of the put's rows folds them again, a read of some
+    of them keeps them row by row."""
+    from verl.protocol import fold_batch_dim
+
+    data = DataProto.from_dict(
+        tensors={"obs": torch.tensor([[1, 2], [3, 4], [5, 6]])},
+        non_tensors={"labels": ["a", "b", "c"], "score": np.arange(3.0)},
+        meta_info={"info": "test_info"},
+    ).repeat(repeat_times=2, interleave=True)
+    folded = fold_batch_dim(data, new_batch_size=3)
+    assert len(data) == 6 and data.non_tensor_batch["labels"].shape == (3, 2)
+    assert folded.batch.batch_size == (3,) and folded.non_tensor_batch["score"].shape == (3, 2)
+    for i, dp in enumerate((data, folded)):
+        assert_dataproto_equal(dp, put_and_read(client, dp, f"{partition}-{i}"))
+    rows = dataproto_to_rows(data)
+    assert len(rows) == 6
+    meta = client.put(rows.data, f"{partition}-some", versions_field=None)
+    back = rows_to_dataproto(client.get_by_keys(f"{partition}-some", meta.keys[1:5], rows.fields))
+    assert back.non_tensor_batch["labels"].tolist() == ["a", "b", "b", "c"]
+    assert back.non_tensor_batch["score"].tolist() == [0.0, 1.0, 1.0, 2.0]
+    back.check_consistency()
 
 
 def test_rows_of_other_producers_convert_too(client: tqstream.Client, partition: str) -> None:

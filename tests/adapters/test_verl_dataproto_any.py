@@ -30,6 +30,7 @@ from tqstream.adapters.verl import (
     dataproto_to_rows,
     rows_to_dataproto,
 )
+from tqstream.adapters.verl.layout import Layout
 from tqstream.adapters.verl.objects import decode_rows, encode_rows, pack, unpack
 
 _names = itertools.count()
@@ -271,8 +272,12 @@ def test_bytes_from_a_peer_are_checked(data: bytes, match: str) -> None:
         ([{"batch": "x"}], "field 'dataproto' does not hold verl row layouts"),  # one value
         ([msgpack.packb(b"\x01"), None], "field 'dataproto' is not a verl row layout"),
         ([1, None], "field 'dataproto' does not start with a verl row layout"),
+        (
+            [Layout([], [], {}).encode({}, first=True, folded={"labels": [6]}), None],
+            r"field 'dataproto' is not a verl row layout \(ValueError\(\"folded\['labels'\] is not",
+        ),
     ],
-    ids=["one-value", "not-a-layout", "no-head"],
+    ids=["one-value", "not-a-layout", "no-head", "bad-fold"],
 )
 def test_a_row_that_is_not_a_layout_is_refused(
     client: tqstream.Client, partition: str, row: list[Any], match: str

@@ -19,9 +19,13 @@ equality: values, dtypes, shapes, Python types):
 - ``uid`` is also the rows' group, and the per-row ``dataproto`` field holds the layout, on the
   first row ``meta_info``, and the object values (:mod:`.layout`).
 
-A ``DataProto`` without rows is one row holding only the layout. What cannot be stored exactly (a
+A ``DataProto`` without rows is one row holding only the layout (so a read of it asks for
+``len(rows)`` rows, one, not ``len(dp)``: the data plane refuses a read of 0 rows). A
+``non_tensor_batch`` array whose leading dims fold the rows (what verl's ``fold_batch_dim``
+leaves in the ``DataProto`` it is given: a ``[6]`` batch with ``[3, 2]`` labels) is stored row by
+row as its ``[n, ...]`` view, its leading dims on the first row. What cannot be stored exactly (a
 value of an arbitrary Python class, a nested ``TensorDict``, masks that disagree with a rollout's
-padding) raises here, before anything is sent.
+padding, an array that neither has nor folds the rows) raises here, before anything is sent.
 """
 
 from __future__ import annotations
@@ -153,9 +157,16 @@ def dataproto_to_rows(
         rows[key] = t
     layout_non_tensor = None
     objects: dict[str, Sequence[Any]] = {}
+    folded: dict[str, list[int]] = {}
+    uid = None
     if non_tensor is not None:
         layout_non_tensor = {}
         for key, arr in non_tensor.items():
+            arr, lead = _unfolded(arr, n)
+            if lead:
+                folded[key] = lead
+            if key == "uid":
+                uid = arr
             field, layout_non_tensor[key] = _non_tensor_field(key, arr)
             if len(field) != n:
                 raise BatchShapeError(
@@ -169,9 +180,10 @@ def dataproto_to_rows(
             else:  # the values go in the layout field
                 objects[key] = field
     layout = Layout(dims, nested, layout_non_tensor, rollout)
-    rows[LAYOUT_FIELD] = _layout_rows(layout, data.meta_info, n, objects)
-    uid = (non_tensor or {}).get("uid")
-    groups = None if uid is None or uid.ndim != 1 else [str(u) for u in uid.tolist()]
+    rows[LAYOUT_FIELD] = _layout_rows(layout, data.meta_info, n, objects, folded)
+    groups = None
+    if isinstance(uid, np.ndarray) and uid.ndim == 1:
+        groups = [str(u) for u in uid.tolist()]
     return RowBatch(rows, groups)
 
 
@@ -377,6 +389,23 @@ def _strip_response_field(key: str, t: torch.Tensor, real: padding.Real) -> Colu
     return ragged_column(values, real.offsets)
 
 
+def _unfolded(arr: Any, n: int) -> tuple[Any, list[int]]:
+    """A ``non_tensor_batch`` array whose leading dims fold the ``n`` rows (``[d1, ..., dk, ...]``
+    with ``d1 * ... * dk == n``, ``k >= 2``: what verl's ``fold_batch_dim`` leaves in the
+    ``DataProto`` it is given, whose arrays it reshapes in place) as its ``[n, ...]`` view, with
+    those dims (``[]`` for any other array, returned as it is)."""
+    if not isinstance(arr, np.ndarray) or arr.ndim < 2 or arr.shape[0] == n:
+        return arr, []
+    rows = arr.shape[0]
+    for k in range(1, arr.ndim):
+        rows *= arr.shape[k]
+        if rows == n:
+            return arr.reshape(n, *arr.shape[k + 1 :]), list(arr.shape[: k + 1])
+        if rows > n or rows == 0:
+            break
+    return arr, []
+
+
 def _non_tensor_field(key: str, arr: Any) -> tuple[torch.Tensor | Sequence[Any], list[Any]]:
     """A ``non_tensor_batch`` array as a dense field or as the values to encode (one per row), and
     its layout entry ``[dtype, trailing]``."""
@@ -401,11 +430,16 @@ def _non_tensor_field(key: str, arr: Any) -> tuple[torch.Tensor | Sequence[Any],
 
 
 def _layout_rows(
-    layout: Layout, meta_info: Any, n: int, objects: dict[str, Sequence[Any]]
+    layout: Layout,
+    meta_info: Any,
+    n: int,
+    objects: dict[str, Sequence[Any]],
+    folded: dict[str, list[int]] | None = None,
 ) -> Column:
-    """The layout field of ``n`` rows (the first carries ``meta_info``) with their object values,
-    ragged ``uint8`` (see :mod:`.layout`)."""
-    first, rest = head(layout.encode(meta_info, first=True)), head(layout.encode())
+    """The layout field of ``n`` rows (the first carries ``meta_info`` and the ``folded`` arrays'
+    leading dims) with their object values, ragged ``uint8`` (see :mod:`.layout`)."""
+    first = head(layout.encode(meta_info, first=True, folded=folded))
+    rest = head(layout.encode())
     return encode_headed_rows([first, *[rest] * (n - 1)], objects)
 
 

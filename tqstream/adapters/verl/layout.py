@@ -9,7 +9,11 @@ widths, the pad token and the tensors rebuilt rather than stored (``input_ids``,
 :mod:`.objects`, so that any selection of rows (a trainer's batch mixes puts) can be turned back
 into a ``DataProto``. ``meta_info`` describes the whole put, not a row, so only the first row of a
 put carries it; a batch holding the first rows of several puts merges theirs as
-``DataProto.concat`` does.
+``DataProto.concat`` does. So does the fold of ``non_tensor_batch`` arrays whose leading dims fold
+the put's rows (what verl's ``fold_batch_dim`` leaves in the ``DataProto`` it is given: a ``[6]``
+batch with ``[3, 2]`` labels): the rows hold such an array row by row, as its ``[n, ...]`` view,
+and the first row its leading dims (``folded``), which give it its shape back when the rows read
+are one put's, as many as it had; any other selection of rows gets it row by row.
 
 The field (ragged ``uint8``) holds two values per row: the layout's bytes as one bin (the *head*:
 the same bytes for every row of a put but the first, so a read decodes each distinct layout once)
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -40,6 +44,7 @@ __all__ = [
     "DERIVED_FIELDS",
     "LAYOUT_FIELD",
     "RESPONSE_FIELDS",
+    "First",
     "Layout",
     "Merged",
     "Rollout",
@@ -69,6 +74,15 @@ class Rollout:
     response: list[str]
 
 
+class First(NamedTuple):
+    """What the first row of a put carries for the whole put: its ``meta_info``, and the leading
+    dims of its ``non_tensor_batch`` arrays that fold its rows (key -> dims; see the module
+    docstring)."""
+
+    meta_info: Any
+    folded: dict[str, list[int]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How the rows of one put map onto its ``DataProto`` (see the module docstring).
@@ -87,8 +101,16 @@ class Layout:
     rollout: Rollout | None = None
     empty: dict[str, list[Any]] | None = None
 
-    def encode(self, meta_info: Any = None, *, first: bool = False) -> bytes:
-        """The row's bytes; the put's first row (``first``) carries ``meta_info``."""
+    def encode(
+        self,
+        meta_info: Any = None,
+        *,
+        first: bool = False,
+        folded: dict[str, list[int]] | None = None,
+    ) -> bytes:
+        """The row's bytes; the put's first row (``first``) carries ``meta_info`` and the
+        ``folded`` arrays' leading dims (written only when there are any, so the bytes of other
+        puts are those of the previous release)."""
         rollout = self.rollout
         out: dict[str, Any] = {
             "batch": self.batch,
@@ -99,11 +121,14 @@ class Layout:
         }
         if first:
             out["meta_info"] = pack(meta_info, "meta_info")
+            if folded:
+                out["folded"] = folded
         return pack(out, LAYOUT_FIELD)
 
     @staticmethod
-    def decode(row: int, data: Any) -> tuple[Layout, tuple[Any] | None]:
-        """The layout of a read row and, for the first row of a put, ``(meta_info,)``."""
+    def decode(row: int, data: Any) -> tuple[Layout, First | None]:
+        """The layout of a read row and, for the first row of a put, what it carries for the
+        put."""
         value = unpack(data, LAYOUT_FIELD)
         try:
             rollout = value["rollout"]
@@ -114,7 +139,9 @@ class Layout:
                 rollout=None if rollout is None else Rollout(**rollout),
                 empty=None if value["empty"] is None else dict(value["empty"]),
             )
-            meta = (unpack(value["meta_info"], "meta_info"),) if "meta_info" in value else None
+            meta = None
+            if "meta_info" in value:
+                meta = First(unpack(value["meta_info"], "meta_info"), _folded(value.get("folded")))
         except (KeyError, TypeError, ValueError) as exc:
             raise SchemaError(
                 f"row {row}: field {LAYOUT_FIELD!r} is not a verl row layout ({exc!r}); rows read "
@@ -123,15 +150,32 @@ class Layout:
         return layout, meta
 
 
+def _folded(value: Any) -> dict[str, list[int]]:
+    """A first row's ``folded`` entry, checked: key -> dims of at least 1, at least two of them
+    (rows put by the previous release have none)."""
+    if value is None:
+        return {}
+    if type(value) is not dict:
+        raise TypeError(f"folded is a {type(value).__name__}, not a map")
+    out = {}
+    for key, dims in value.items():
+        if type(key) is not str or type(dims) is not list or len(dims) < 2:
+            raise ValueError(f"folded[{key!r}] is not the leading dims of an array: {dims!r}")
+        if not all(type(d) is int and d >= 1 for d in dims):
+            raise ValueError(f"folded[{key!r}] holds a dim that is not a positive int: {dims!r}")
+        out[key] = dims
+    return out
+
+
 def head(layout_bytes: bytes) -> bytes:
     """A row's first value: its layout's bytes (:meth:`Layout.encode`) as one msgpack bin."""
     return msgpack.packb(layout_bytes, use_bin_type=True)
 
 
-def decode_layouts(heads: Sequence[Any]) -> list[tuple[Layout, tuple[Any] | None]]:
+def decode_layouts(heads: Sequence[Any]) -> list[tuple[Layout, First | None]]:
     """:meth:`Layout.decode` of each row's head (its layout's bytes); rows of one put share their
     bytes (all but the first), so each distinct value is decoded once."""
-    seen: dict[bytes, tuple[Layout, tuple[Any] | None]] = {}
+    seen: dict[bytes, tuple[Layout, First | None]] = {}
     out = []
     for row, data in enumerate(heads):
         if type(data) is not bytes:
@@ -152,7 +196,9 @@ class Merged:
 
     ``rows``: the rows that hold data (not the row of a ``DataProto`` without rows).
     ``non_tensor``: name -> (numpy dtype, trailing shape). ``empty``: the batch tensors of a
-    batch of ``DataProto``s without rows (``rows`` is then empty).
+    batch of ``DataProto``s without rows (``rows`` is then empty). ``folded``: the leading dims
+    of the arrays that fold the rows, when the batch holds the first row of one put only (the
+    rebuild folds them when it holds as many rows as that put).
     """
 
     rows: list[int]
@@ -162,9 +208,10 @@ class Merged:
     rollout: Rollout | None
     empty: dict[str, tuple[torch.dtype, tuple[int, ...]]]
     meta_infos: list[Any]
+    folded: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
-def merge_layouts(layouts: Sequence[tuple[Layout, tuple[Any] | None]]) -> Merged:
+def merge_layouts(layouts: Sequence[tuple[Layout, First | None]]) -> Merged:
     """One layout for a batch whose rows may come from several puts.
 
     Widths take the widest put (as re-padding needs); string dtypes the widest too (what
@@ -174,7 +221,8 @@ def merge_layouts(layouts: Sequence[tuple[Layout, tuple[Any] | None]]) -> Merged
     """
     from tqstream.protocol.columns import torch_dtype
 
-    metas = [meta[0] for _, meta in layouts if meta is not None]
+    firsts = [meta for _, meta in layouts if meta is not None]
+    metas = [first.meta_info for first in firsts]
     rows = [i for i, (lay, _) in enumerate(layouts) if lay.empty is None]
     # one per distinct layout (decode_layouts gives the rows of a put the same object)
     used = list(
@@ -204,6 +252,7 @@ def merge_layouts(layouts: Sequence[tuple[Layout, tuple[Any] | None]]) -> Merged
         rollout=_merge_rollout([lay.rollout for lay in used if lay.rollout is not None]),
         empty=empty,
         meta_infos=metas,
+        folded=firsts[0].folded if len(firsts) == 1 else {},
     )
 
 

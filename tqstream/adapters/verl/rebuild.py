@@ -7,11 +7,13 @@ one boolean placement each for the whole batch, and ``attention_mask``, ``input_
 ``position_ids`` are rebuilt from the lengths (the positions verl's
 ``compute_position_id_with_mask`` gives). Other batch tensors come back as they were read;
 ``non_tensor_batch`` arrays get their numpy dtypes and shapes back from the row layout (object
-values decoded by :mod:`.objects`), and ``meta_info`` is the put's (or the puts' merged).
+values decoded by :mod:`.objects`; an array that folded a put's rows its folded shape, for that
+put's rows), and ``meta_info`` is the put's (or the puts' merged).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -171,16 +173,27 @@ def _dataproto(
     from verl.protocol import DataProto
 
     non_tensor: Any = non_tensor_  # verl annotates a dict, and holds None when given None
-    if merged.batch is None:
-        return DataProto(batch=None, non_tensor_batch=non_tensor, meta_info=meta_info)
-    td = TensorDict(tensors, batch_size=[n, *merged.batch])
-    if not merged.batch:
-        return DataProto(batch=td, non_tensor_batch=non_tensor, meta_info=meta_info)
-    # several batch dims: what verl's unfold_batch_dim leaves in the DataProto it is given, which
-    # DataProto's own check refuses at construction
-    out = DataProto(batch=None, non_tensor_batch=non_tensor, meta_info=meta_info)
-    out.batch = td
+    td = None if merged.batch is None else TensorDict(tensors, batch_size=[n, *merged.batch])
+    if td is None or not merged.batch:
+        out = DataProto(batch=td, non_tensor_batch=non_tensor, meta_info=meta_info)
+    else:
+        # several batch dims: what verl's unfold_batch_dim leaves in the DataProto it is given,
+        # which DataProto's own check refuses at construction
+        out = DataProto(batch=None, non_tensor_batch=non_tensor, meta_info=meta_info)
+        out.batch = td
+    if out.non_tensor_batch is not None:  # folded after the check, which refuses them too
+        _fold(out.non_tensor_batch, merged.folded, n)
     return out
+
+
+def _fold(non_tensor: dict[str, np.ndarray], folded: dict[str, list[int]], n: int) -> None:
+    """Give the arrays whose leading dims folded a put's rows (verl's ``fold_batch_dim``) their
+    shape back, when the ``n`` rows read hold that put's first row and as many rows as it had
+    (:mod:`.layout`); any other selection keeps them row by row, ``[n, ...]``."""
+    for key, dims in folded.items():
+        arr = non_tensor.get(key)
+        if arr is not None and math.prod(dims) == n:
+            non_tensor[key] = arr.reshape(*dims, *arr.shape[1:])
 
 
 def _no_rows(merged: Merged) -> Any:
