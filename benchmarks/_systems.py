@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from benchmarks._workload import FIELDS, Batch
+from benchmarks._workload import flat as _flat
 
 __all__ = [
     "OPT_IN",
@@ -69,8 +70,9 @@ class System:
         """After a scenario's rounds."""
 
     def prepare(self, batch: Batch) -> Any:
-        """The batch in this system's native input form (not timed)."""
-        return batch.flat()
+        """The batch as a rollout has it (ragged fields as lists of one tensor per row), for
+        every system alike: what a system needs to do with it is in its timed ``put``."""
+        return batch.fields
 
     def put(self, data: Any) -> Any:
         raise NotImplementedError
@@ -168,15 +170,20 @@ class Memcpy(System):
     )
 
     def prepare(self, batch: Batch) -> Any:
-        flat = batch.flat()
+        flat = batch.flat()  # only to size the buffers (preallocated: not timed)
         store = {k: torch.empty_like(v) for k, v in flat.items()}
         out = {k: torch.empty_like(v) for k, v in flat.items()}
-        return flat, store, out
+        return batch.fields, store, out
 
     def put(self, data: Any) -> Any:
-        flat, store, out = data
-        for k, v in flat.items():
-            store[k].copy_(v)
+        fields, store, out = data
+        for k, v in fields.items():
+            if isinstance(v, list):  # each row copied once into place, its offsets beside it
+                torch.cat(v, out=store[k])
+                lengths = torch.tensor([0] + [len(t) for t in v], dtype=torch.int64)
+                torch.cumsum(lengths, 0, out=store[f"{k}.offsets"])
+            else:
+                store[k].copy_(v)
         return store, out
 
     def get(self, handle: Any) -> Data:
@@ -279,7 +286,7 @@ class RawZmq(System):
             shutil.rmtree(self._dir, ignore_errors=True)
 
     def put(self, data: Any) -> Any:
-        flat: dict[str, torch.Tensor] = data
+        flat = _flat(data)  # ragged fields as values + offsets: part of this system's round
         header = json.dumps(
             [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in flat.items()]
         ).encode()
@@ -380,7 +387,7 @@ class RayObjectStore(System):
         self.ray = ray_session()
 
     def put(self, data: Any) -> Any:
-        return self.ray.put(data)
+        return self.ray.put(_flat(data))  # values + offsets: Ray's fastest form of ragged rows
 
     def get(self, handle: Any) -> Data:
         return restore(self.ray.get(handle))
@@ -422,7 +429,7 @@ class RayActorQueue(System):
             self.ray.kill(self.queue)
 
     def put(self, data: Any) -> Any:
-        self.ray.get(self.queue.put.remote(data))
+        self.ray.get(self.queue.put.remote(_flat(data)))
 
     def get(self, handle: Any) -> Data:
         return restore(self.ray.get(self.queue.get.remote()))
@@ -630,14 +637,25 @@ class TransferQueue(TaskSystem):
     def end(self) -> None:
         self.drop(self.partition)
 
-    def prepare(self, batch: Batch) -> Any:
+    @staticmethod
+    def _native(data: Any) -> Any:
+        """A TensorDict with ragged fields as jagged nested tensors: TransferQueue's input (made
+        inside the timed round, as every system makes its own form)."""
         from tensordict import TensorDict
 
-        return TensorDict(batch.jagged(), batch_size=[batch.rows])
+        flat = _flat(data)
+        fields = {
+            name: torch.nested.nested_tensor_from_jagged(flat[name], flat[f"{name}.offsets"])
+            if f"{name}.offsets" in flat
+            else flat[name]
+            for name in data
+        }
+        return TensorDict(fields, batch_size=[len(flat["rewards"])])
 
     def put(self, data: Any) -> Any:
-        self.client.put(data=data, partition_id=self.partition)
-        return int(data.batch_size[0])
+        native = self._native(data)
+        self.client.put(data=native, partition_id=self.partition)
+        return int(native.batch_size[0])
 
     def get(self, handle: Any) -> Data:
         data, self._meta = self.take(self.partition, handle, TASK)
@@ -653,7 +671,7 @@ class TransferQueue(TaskSystem):
         """Partitions are created by their first put; consumption is tracked per task name."""
 
     def put_rows(self, partition: str, data: Any) -> None:
-        self.client.put(data=data, partition_id=partition)
+        self.client.put(data=self._native(data), partition_id=partition)
 
     def take(
         self,

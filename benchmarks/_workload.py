@@ -1,7 +1,11 @@
 """The workload: batches of RL rollout rows and the size of each scenario.
 
 A row has ``input_ids`` int64 [L], ``attention_mask`` bool [L], ``old_logprobs`` float32 [L],
-``token_versions`` int32 [L] and a float32 scalar ``rewards``: 17 bytes per token plus 4 per row.
+per-token ``versions`` int32 [L] (-1 on the first quarter, the prompt; the policy version that
+generated each other token: tqstream derives each row's version bounds from them, as it does for
+a rollout's) and a float32 scalar ``rewards``: 17 bytes per token plus 4 per row. Ragged fields
+are what a rollout has: a list of one tensor per row; every system is handed them so and does its
+own conversion inside the timed round.
 A trajectory of the producers scenario is what one rollout worker emits: ``input_ids`` int64,
 ``logprobs`` float32 and per-token ``versions`` int32 (-1 on the prompt), all ragged, and a
 float32 ``rewards``: 16 bytes per token plus 4.
@@ -30,12 +34,13 @@ __all__ = [
     "Scenario",
     "Trajectories",
     "make_batch",
+    "flat",
     "make_trajectories",
     "quick",
     "row_ids",
 ]
 
-FIELDS = ("input_ids", "attention_mask", "old_logprobs", "token_versions", "rewards")
+FIELDS = ("input_ids", "attention_mask", "old_logprobs", "versions", "rewards")
 TRAJECTORY_FIELDS = ("input_ids", "logprobs", "versions", "rewards")
 
 
@@ -198,15 +203,7 @@ class Batch:
     def flat(self) -> dict[str, torch.Tensor]:
         """Ragged fields as ``<name>`` (values back to back) and ``<name>.offsets`` (int64,
         B + 1): the natural form for a store of raw buffers. Dense batches are returned as is."""
-        out: dict[str, torch.Tensor] = {}
-        for name, value in self.fields.items():
-            if isinstance(value, list):
-                out[name] = torch.cat(value)
-                lengths = torch.tensor([0] + [len(t) for t in value], dtype=torch.int64)
-                out[f"{name}.offsets"] = lengths.cumsum(0)
-            else:
-                out[name] = value
-        return out
+        return flat(self.fields)
 
     def jagged(self) -> dict[str, torch.Tensor]:
         """Ragged fields as jagged nested tensors sharing the flat values."""
@@ -220,6 +217,20 @@ class Batch:
             else:
                 out[name] = value
         return out
+
+
+def flat(fields: Mapping[str, torch.Tensor | list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """:meth:`Batch.flat` of a batch's fields: what a store of raw buffers does with a rollout's
+    lists (timed, in the systems that need it)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in fields.items():
+        if isinstance(value, list):
+            out[name] = torch.cat(value)
+            lengths = torch.tensor([0] + [len(t) for t in value], dtype=torch.int64)
+            out[f"{name}.offsets"] = lengths.cumsum(0)
+        else:
+            out[name] = value
+    return out
 
 
 def make_batch(
@@ -236,8 +247,12 @@ def make_batch(
         "input_ids": torch.randint(0, 32000, (total,), generator=gen, dtype=torch.int64),
         "attention_mask": torch.rand(total, generator=gen) < 0.9,
         "old_logprobs": -torch.rand(total, generator=gen),
-        "token_versions": torch.randint(0, 4, (total,), generator=gen, dtype=torch.int32),
+        "versions": torch.randint(0, 4, (total,), generator=gen, dtype=torch.int32),
     }
+    starts = torch.tensor([0, *lengths[:-1]], dtype=torch.int64).cumsum(0)
+    at = torch.arange(total) - torch.repeat_interleave(starts, torch.tensor(lengths))
+    prompt = torch.repeat_interleave(torch.tensor(lengths) // 4, torch.tensor(lengths))
+    flat["versions"][at < prompt] = -1  # each row's first quarter: its prompt
     fields: dict[str, torch.Tensor | list[torch.Tensor]] = {
         name: [r.clone() for r in torch.split(t, lengths)] if ragged else t.view(rows, length)
         for name, t in flat.items()
