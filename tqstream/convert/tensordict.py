@@ -11,6 +11,7 @@ import msgspec
 import pyarrow as pa
 import torch
 
+from tqstream.convert import padding
 from tqstream.errors import BatchShapeError, MalformedMessageError, SchemaError
 from tqstream.protocol.columns import WIRE_NAMES, Column, field_error, jagged
 
@@ -19,7 +20,6 @@ if TYPE_CHECKING:  # tensordict is slow to import
 
 __all__ = ["decode_objects", "to_tensordict"]
 
-_I64 = torch.int64
 
 
 def to_tensordict(
@@ -66,6 +66,8 @@ def to_tensordict(
 
 
 def _pad(name: str, col: Column, pad: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, longest, *shape]`` filled with ``pad``, each row copied once into place (the floor:
+    one allocation, one fill, one copy; a zero pad needs no fill), and the lengths."""
     assert col.offsets is not None
     values, offsets, n = col.values, col.offsets, col.n_rows
     exact = values.dtype.is_floating_point or values.dtype.is_complex
@@ -73,13 +75,21 @@ def _pad(name: str, col: Column, pad: float) -> tuple[torch.Tensor, torch.Tensor
         msg = f"pad value {pad!r} does not fit its dtype {WIRE_NAMES[values.dtype]}"
         raise field_error(SchemaError, name, msg + "; pass a representable value in pad_values")
     lengths = offsets[1:] - offsets[:-1]
-    out = torch.full(
-        (n, int(lengths.max()) if n else 0, *values.shape[1:]), pad, dtype=values.dtype
-    )
-    total = values.shape[0]
-    rows = torch.repeat_interleave(torch.arange(n, dtype=_I64), lengths, output_size=total)
-    out[rows, torch.arange(total, dtype=_I64) - offsets.index_select(0, rows)] = values
-    return out, lengths
+    shape = (n, int(lengths.max()) if n else 0, *values.shape[1:])
+    bits = _BITS.get(values.dtype)  # numpy lacks the dtype: its bits are copied
+    src = values.numpy() if bits is None else values.view(bits).numpy()
+    fill = torch.tensor([pad], dtype=values.dtype)
+    zero = not fill.view(torch.uint8).any()  # 0, 0.0, False (not -0.0): calloc's pages are it
+    out = padding.aligned_empty(shape, src.dtype, zeroed=zero)
+    if not zero:
+        out.fill((fill if bits is None else fill.view(bits))[0].item())
+    padding.copy_rows(out, src, offsets.numpy())
+    tensor = torch.from_numpy(out)
+    return (tensor if bits is None else tensor.view(values.dtype)), lengths
+
+
+_BITS = {torch.bfloat16: torch.int16}
+"""Dtypes numpy lacks, and the int of their size whose numpy view carries their bits."""
 
 
 def decode_objects(name: str, col: Column) -> list[Any]:

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from tqstream.convert import padding
 from tqstream.errors import BucketError, SchemaError
 from tqstream.protocol.columns import DTYPES, Column
 
@@ -43,8 +44,6 @@ SUPPORTED = ", ".join(NP_DTYPES)
 _NARROW = {"int64": "int32", "uint64": "uint32"}
 _WIDE = ("float64", "complex128")
 X64_FLAG = 'jax.config.update("jax_enable_x64", True)'
-ALIGN = 64
-"""XLA's CPU client aliases a host buffer at this alignment (it copies any other)."""
 
 Buckets = Mapping[str, Sequence[int]]
 
@@ -126,20 +125,10 @@ def torch_view(a: np.ndarray) -> torch.Tensor:
 def aligned_empty(
     shape: Sequence[int], dtype: str, *, zeroed: bool = False
 ) -> tuple[torch.Tensor, np.ndarray]:
-    """An uninitialised buffer of ``shape`` at a 64-byte aligned address, as a tensor (for
+    """:func:`tqstream.convert.padding.aligned_empty` of a tqstream dtype, as a tensor (for
     DLPack) and a numpy view of it (for the copies; the tensor keeps it, and so the memory,
-    alive). ``zeroed``: all zero bytes, from ``calloc`` (a large buffer is fresh pages the
-    kernel zeroed: no pass of its own).
-
-    numpy's allocator, not torch's: numpy asks the kernel for transparent huge pages for a
-    buffer of 4 MiB or more (``madvise``), torch does not, and every read pads into fresh memory,
-    whose first write faults it in page by page: with 4 KiB pages that costs ~6x the write itself
-    (32 MB: 16 ms against 2.5, THP in ``madvise`` mode)."""
-    np_dtype = NP_DTYPES[dtype]
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
-    raw = (np.zeros if zeroed else np.empty)(nbytes + ALIGN, dtype=np.uint8)
-    skip = -raw.ctypes.data % ALIGN
-    out = raw[skip : skip + nbytes].view(np_dtype).reshape(tuple(shape))
+    alive)."""
+    out = padding.aligned_empty(shape, NP_DTYPES[dtype], zeroed=zeroed)
     return torch_view(out), out
 
 
@@ -240,16 +229,9 @@ def pad_rows(name: str, col: Column, length: int, pad: float) -> jax.Array:
     full = bool(n) and src.shape[0] == n * length  # every row already of the bucket's length
     zero = not full and not fill.tobytes().strip(b"\0")  # 0, 0.0, False: calloc's pages are it
     t, out = aligned_empty((n, length, *trail), target, zeroed=zero)
-    if full:
-        out.reshape(-1, *trail)[...] = src
-        return to_jax(t)
-    if not zero:
+    if not full and not zero:
         out.fill(fill)
-    bounds = off.tolist()
-    for i in range(n):
-        start, stop = bounds[i], bounds[i + 1]
-        if stop > start:
-            out[i, : stop - start] = src[start:stop]
+    padding.copy_rows(out, src, off)
     return to_jax(t)
 
 
