@@ -37,6 +37,7 @@ GROUPS = (
     "verl-kv",
     "areal-staleness",
     "verl-dataproto",
+    "jax-get",
     "sweep",
 )
 # the verl-kv scenario's systems (benchmarks/test_verl_kv.py) are its own: tqstream's first;
