@@ -43,10 +43,14 @@ def test_demo_command_writes_its_summary_and_plot(tmp_path: Path) -> None:
     assert summary["history"][-1]["eval_digits"] == summary["eval_digits_last"]
     assert summary["eval_digits_first"] <= 0.3  # ~0.1: digits right by chance
     assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # without a terminal the live view's last frame ends its line: the summary starts its own
+    # without a terminal (a log file, CI): progress lines instead of the live view, the last
+    # step's among them, then the summary
     lines = out.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("6 steps in"))
-    assert set(lines[at - 1]) <= set("─━═┘└┴┗┻┛╰╯ "), lines[at - 2 : at + 1]  # the border alone
+    progress = [line for line in lines[:at] if line.startswith("step ")]
+    assert progress and progress[-1].startswith("step 6/6  version 6  reward "), lines[:at]
+    assert "held-out" in progress[-1] and "rows/s" in progress[-1]
+    assert not any("─" in line for line in lines[:at])  # no frame of a live view
     assert "held-out exact-match" in lines[at] and lines[-1].startswith("wrote ")
 
 
@@ -115,6 +119,50 @@ def test_without_the_reference_extra_it_names_the_install_command(tmp_path: Path
     assert out.stderr.strip() == (
         "tqstream demo: needs transformers, matplotlib (the reference extra): "
         "pip install 'tqstream[reference]'"
+    )
+
+
+def test_the_jax_trainer_runs_the_synchronous_baseline(tmp_path: Path) -> None:
+    pytest.importorskip("jax", reason="--trainer jax needs the jax extra")
+    out = _demo("--trainer", "jax", "--max-staleness", "0", "--steps", "6", "--quiet", "--out",
+                str(tmp_path), cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    for noise in ("terminate called", "Traceback", "Exception in thread"):
+        assert noise not in out.stderr, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["trainer"] == "jax" and summary["config"]["max_staleness"] == 0
+    assert summary["steps"] == 6 and len(summary["history"]) == 6
+    # the per_version admission lets each version's batch be generated under its weights: with
+    # no staleness allowed nothing is dropped, and the trainer never waits for a batch in vain
+    assert summary["max_lag"] == 0 and summary["dropped"] == 0
+    assert summary["produced"] == summary["trained"] + summary["dropped"] + summary["left"]
+    assert summary["eval_untrained"] <= 0.1 and summary["eval_first"] <= 0.3
+    assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stdout.splitlines()[-1].startswith("wrote ")
+
+
+def test_without_the_jax_extra_the_jax_trainer_names_the_install_command(tmp_path: Path) -> None:
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('jax', 'flax', 'optax'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run([*DEMO, "--trainer", "jax", "--steps", "1"], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path, env=env)  # fmt: skip
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (
+        "tqstream demo --trainer jax: needs jax, flax, optax (the jax extra): "
+        'pip install "tqstream[jax]"'
     )
 
 

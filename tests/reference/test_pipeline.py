@@ -47,6 +47,7 @@ def test_a_few_steps_end_to_end(update_mode: str) -> None:
             "stale and no batch would come; use max_staleness >= 2 or a shorter sync_interval",
         ),
         ({"engine": "jax"}, "unknown engine 'jax'; use 'torch' or 'vllm'"),
+        ({"trainer": "flax"}, "unknown trainer 'flax'; use 'torch' or 'jax'"),
         ({"update_mode": "wait"}, "update_mode must be 'keep' or 'abort', got 'wait'"),
         ({"max_restarts": -1}, "max_restarts must be 0 or more, got -1"),
         ({"admission_slack": -1}, "admission_slack must be 0 or more, got -1"),

@@ -21,7 +21,6 @@ if TYPE_CHECKING:  # tensordict is slow to import
 __all__ = ["decode_objects", "to_tensordict"]
 
 
-
 def to_tensordict(
     n_rows: int,
     columns: Mapping[str, Column],

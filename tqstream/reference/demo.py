@@ -26,6 +26,9 @@ from typing import Any
 __all__ = ["main"]
 
 _NEEDS = ("transformers", "tokenizers", "matplotlib", "rich")
+PROGRESS_EVERY = 10
+"""Steps between two progress lines when the output is not a terminal (no live view there)."""
+_NEEDS_JAX = ("jax", "flax", "optax")
 
 
 def _count(least: int) -> Any:
@@ -91,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
         help="rollout engine; vllm needs vLLM (default: %(default)s)",
     )
     p.add_argument(
+        "--trainer",
+        choices=["torch", "jax"],
+        default="torch",
+        help="the trainer: PPO in torch, or its JAX twin (flax, optax; reads through the JAX "
+        "adapter, rollouts held by a per-version admission); jax needs the jax extra "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--sync-interval",
         type=_count(1),
         default=1,
@@ -151,8 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
-def _missing() -> list[str]:
-    """The packages of the reference extra that cannot be imported."""
+def _missing(names: tuple[str, ...] = _NEEDS) -> list[str]:
+    """The packages of ``names`` (default: the reference extra) that cannot be imported."""
 
     def found(name: str) -> bool:
         try:
@@ -160,7 +171,7 @@ def _missing() -> list[str]:
         except (ImportError, ValueError):
             return False
 
-    return [name for name in _NEEDS if not found(name)]
+    return [name for name in names if not found(name)]
 
 
 def _config(args: argparse.Namespace, max_staleness: int, slack: int) -> Any:
@@ -169,7 +180,8 @@ def _config(args: argparse.Namespace, max_staleness: int, slack: int) -> Any:
     return PipelineConfig(
         steps=args.steps, workers=args.workers, max_staleness=max_staleness,
         update_mode=args.update_mode, proximal=args.proximal, lr=args.lr, seed=args.seed,
-        engine=args.engine, sync_interval=args.sync_interval, measure=args.measure,
+        engine=args.engine, trainer=args.trainer, sync_interval=args.sync_interval,
+        measure=args.measure,
         admission_slack=slack, max_grad_norm=args.max_grad_norm,
     )  # fmt: skip
 
@@ -201,7 +213,7 @@ def _run(config: Any, quiet: bool, title: str) -> Any:
             )  # fmt: skip
         return t
 
-    if not quiet:
+    if not quiet and console.is_terminal:
         live = Live(view(None), console=console, refresh_per_second=4)
         live.start()
 
@@ -210,6 +222,17 @@ def _run(config: Any, quiet: bool, title: str) -> Any:
             last_eval[0] = row.eval
         if live is not None:
             live.update(view(row))
+        elif not quiet and (row.eval is not None or (row.step + 1) % PROGRESS_EVERY == 0
+                            or row.step + 1 == config.steps):  # fmt: skip
+            # not a terminal (a log file, CI): a line now and then instead of the live view
+            score = last_eval[0]
+            print(
+                f"step {row.step + 1}/{config.steps}  version {row.version}  "
+                f"reward {row.reward_mean:.3f}  held-out {'-' if score is None else f'{score:.2f}'}"
+                f"  loss {row.loss:+.4f}  lag {row.max_lag:.0f}  {row.rows_per_s:,.0f} rows/s  "
+                f"{row.seconds:.0f} s",
+                flush=True,
+            )
 
     try:
         return run(config, on_step=on_step)
@@ -253,6 +276,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    missing = _missing(_NEEDS_JAX) if args.trainer == "jax" else []
+    if missing:
+        print(
+            f"tqstream demo --trainer jax: needs {', '.join(missing)} (the jax extra): "
+            f'pip install "tqstream[jax]"',
+            file=sys.stderr,
+        )
+        return 1
     from tqstream.reference.plot import plot
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -288,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 def _title(args: argparse.Namespace, config: Any, prefix: str) -> str:
     return (
         f"{prefix}tqstream demo — {config.workers} {config.engine} rollout workers, "
-        f"max_staleness {config.max_staleness}"
+        f"{config.trainer} trainer, max_staleness {config.max_staleness}"
     )
 
 

@@ -22,6 +22,15 @@ the window rarely has anything to drop; a worker that dies gives its slots back 
 takes its place (it joins the weight hub as a new member; the dead one is dropped at the next
 sync).
 
+The loop drives a :class:`Learner`: :class:`TorchLearner` (above) or, with ``trainer="jax"``,
+``tqstream.reference.jax.JaxLearner``: the flax twin of the model, converted from the same torch
+weights, reading through the JAX adapter (a reader thread leases the next batch while this thread
+pushes the weights), pushing ``torch_state_dict(params)`` through the same hub to the same
+workers. Its rollouts are held by a per_version admission instead (JAX-vLLM's rule: at most a
+weight update's rows start under each version, see :func:`admission_settings`), and a worker
+whose slots were granted at a version it has not loaded yet waits for those weights first, so
+the rows counted under a version are generated under it.
+
 The task (``task.py``) is the nines' complement of 5-digit numbers. Before any rollout the trainer
 is warm-started on the answer's *format* only (five random digits, then the end of sequence), so
 that what the policy learns about the digits it learns from the reward, through tqstream; the
@@ -39,132 +48,17 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from tqstream.errors import TQStreamError
-from tqstream.reference.task import DIGITS
+from tqstream.reference.config import FIELDS, POLL, PipelineConfig, PipelineError
+from tqstream.reference.task import HeldOut, score
 
 __all__ = [
-    "HeldOut", "PipelineConfig", "PipelineError", "StepStats", "Summary", "evaluate", "group_rows",
-    "rollout_rows", "run", "warm_start",
+    "HeldOut", "Learner", "PipelineConfig", "PipelineError", "StepStats", "Summary", "TorchLearner",
+    "admission_settings", "evaluate", "group_rows", "rollout_rows", "run", "warm_start",
 ]  # fmt: skip
-
-POLL = 1.0
-"""Seconds the trainer waits for a batch before it looks at its workers again."""
-FIELDS = ["prompt_ids", "response_ids", "logprobs", "versions", "rewards"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    steps: int = 20
-    """Optimizer steps (= weight versions published)."""
-    workers: int = 2
-    """Rollout worker processes."""
-    batch_groups: int = 32
-    """Groups (prompts) per training batch."""
-    group_size: int = 8
-    """Samples per prompt (the GRPO group)."""
-    prompts_per_rollout: int = 8
-    """Prompts a worker generates for in one batch and puts in one put (at most
-    ``batch_groups``)."""
-    max_staleness: int = 2
-    """A trajectory whose oldest token is more versions behind than this is dropped, not trained on;
-    0 is the synchronous baseline."""
-    admission_slack: int = 0
-    """Versions beyond ``max_staleness`` the admission lets rollouts run ahead: 0 keeps the heads
-    of trajectories inside the window (little is ever stale); more overlaps generation and training
-    further, and the window then drops (head) or masks (token) what comes out stale."""
-    sync_interval: int = 1
-    """Steps between two weight syncs; needs ``max_staleness >= sync_interval - 1``."""
-    engine: str = "torch"
-    """The rollout engine: "torch" (``TorchEngine``) or "vllm" (``VLLMEngine``, needs vLLM)."""
-    max_restarts: int = 3
-    """Rollout workers that may die and be replaced before the run fails."""
-    backend: str = "gloo"
-    """The weight sync's transport: "gloo" (CPU) or "nccl" (GPUs; the trainer's weights go from
-    ``cuda:0``, each worker receives on its current device)."""
-    max_new_tokens: int = DIGITS + 1
-    """Tokens a completion may have: the answer's digits and the end of sequence."""
-    temperature: float = 1.0
-    lr: float = 3e-4
-    """The learning rate of the first step."""
-    lr_schedule: str = "cosine"
-    """"cosine": the learning rate decays to 0 over ``steps`` (a solved policy is not shaken
-    apart late on); "constant": it stays ``lr`` (a short run learns more in its steps)."""
-    epochs: int = 8
-    """Optimizer steps per batch (PPO's passes over it)."""
-    entropy_coef: float = 0.005
-    """Weight of the generated tokens' mean entropy in the loss (keeps the policy exploring)."""
-    max_grad_norm: float | None = None
-    """Each optimizer step's gradients are scaled down to this global norm when above it (None:
-    never; verl and AReaL clip to 1.0 by default)."""
-    warmup_steps: int = 100
-    """Supervised steps on the answer's format (random digits) before the first rollout."""
-    eval_every: int = 10
-    """Steps between two held-out evaluations (greedy exact-match); 0: only first and last."""
-    eval_problems: int = 256
-    """Held-out problems evaluated (never drawn for training)."""
-    seed: int = 0
-    update_mode: str = "keep"
-    """What a weight update does to generations in flight: "keep" or "abort" (see engine.py)."""
-    measure: str = "head"
-    """How the staleness window measures a trajectory: "head" (its oldest token: the whole
-    trajectory is dropped once that is too old) or "token" (read while any token is inside; the
-    tokens outside stay out of the loss)."""
-    proximal: str = "recompute"
-    timeout: float = 120.0
-    """Seconds a read, a weight sync or a worker's start may take before the run fails (a vLLM
-    engine's start counts in)."""
-    partition: str = "rollouts"
-
-    def check(self) -> None:
-        """Refuse what cannot run, or would deadlock, with what to change."""
-        if self.workers < 1 or self.steps < 1 or self.batch_groups < 1 or self.group_size < 1:
-            raise PipelineError("a run needs at least one worker, step, group and sample per group")
-        if self.prompts_per_rollout < 1 or self.epochs < 1 or self.warmup_steps < 0:
-            raise PipelineError(
-                "prompts_per_rollout and epochs must be 1 or more, warmup_steps 0 or more"
-            )
-        if self.eval_every < 0 or self.eval_problems < 1:
-            raise PipelineError("eval_every must be 0 or more, eval_problems 1 or more")
-        if self.max_staleness < 0:
-            raise PipelineError(f"max_staleness must be 0 or more, got {self.max_staleness}")
-        if self.admission_slack < 0:
-            raise PipelineError(f"admission_slack must be 0 or more, got {self.admission_slack}")
-        if self.sync_interval < 1:
-            raise PipelineError(f"sync_interval must be 1 or more, got {self.sync_interval}")
-        if self.max_staleness < self.sync_interval - 1:
-            raise PipelineError(
-                f"max_staleness={self.max_staleness} with sync_interval={self.sync_interval} would "
-                f"deadlock: the trainer goes {self.sync_interval - 1} versions past the weights "
-                "the rollouts use before it pushes new ones, so every trajectory would be stale "
-                f"and no batch would come; use max_staleness >= {self.sync_interval - 1} or a "
-                "shorter sync_interval"
-            )
-        if self.engine not in ("torch", "vllm"):
-            raise PipelineError(f"unknown engine {self.engine!r}; use 'torch' or 'vllm'")
-        if self.update_mode not in ("keep", "abort"):
-            raise PipelineError(f"update_mode must be 'keep' or 'abort', got {self.update_mode!r}")
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise PipelineError(
-                f"lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}"
-            )
-        if self.measure not in ("head", "token"):
-            raise PipelineError(f"measure must be 'head' or 'token', got {self.measure!r}")
-        if self.backend not in ("gloo", "nccl"):
-            raise PipelineError(f"unknown backend {self.backend!r}; use 'gloo' or 'nccl'")
-        if self.max_restarts < 0:
-            raise PipelineError(f"max_restarts must be 0 or more, got {self.max_restarts}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise PipelineError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
-
-
-class PipelineError(TQStreamError, RuntimeError):
-    """The reference loop cannot run as configured, or lost more workers than it may replace."""
-
-    code = "pipeline"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,12 +127,27 @@ def _per_rollout(config: PipelineConfig) -> int:
     return min(config.prompts_per_rollout, config.batch_groups)
 
 
-def _admission_config(config: PipelineConfig) -> dict[str, int]:
+def admission_settings(config: PipelineConfig) -> tuple[str, dict[str, int]]:
+    """The rollout admission's style and settings, in rows (one slot per trajectory: a worker takes
+    a group's ``group_size`` slots at a time and its put ends one per row).
+
+    - torch trainer, ``capacity`` (AReaL's rule): at most ``max_staleness + admission_slack + 1``
+      batches beyond those trained on exist or are in flight, so rollouts run up to the window
+      ahead of the trainer;
+    - jax trainer, ``per_version`` (the JAX-vLLM rule): at most ``max_per_version`` rows start
+      under each weight version, where ``update_interval`` (rows the trainer consumes between two
+      weight pushes, ``batch_groups * group_size * sync_interval``) times ``1 + admission_slack``;
+      ``MAX_STALENESS >= UPDATE_INTERVAL`` holds by construction. With no slack the rollouts make
+      exactly the batches the trainer takes before its next push, under the newest weights."""
     rows = config.batch_groups * config.group_size
+    if config.trainer == "jax":
+        interval = rows * config.sync_interval
+        return "per_version", {"max_per_version": interval * (1 + config.admission_slack),
+                               "update_interval": interval}  # fmt: skip
     running = config.workers * config.group_size * _per_rollout(config)
-    return {"max_concurrent": running,
-            "max_staleness": config.max_staleness + config.admission_slack,
-            "consumer_batch_size": rows}  # fmt: skip
+    return "capacity", {"max_concurrent": running,
+                        "max_staleness": config.max_staleness + config.admission_slack,
+                        "consumer_batch_size": rows}  # fmt: skip
 
 
 def _make_engine(config: PipelineConfig, model_dir: str, rank: int, tok: Any) -> Any:
@@ -298,7 +207,8 @@ def _worker(
 
         threading.Thread(target=receive_forever, name="tqstream-weights", daemon=True).start()
         client = tqstream.connect(address)
-        admission = client.admission("capacity", name="rollout", **_admission_config(config))
+        style, settings = admission_settings(config)
+        admission = client.admission(style, name="rollout", **settings)
         g = config.group_size
         per = g * _per_rollout(config)
         row = slice(rank * per, (rank + 1) * per)
@@ -310,6 +220,13 @@ def _worker(
             ids = _take_slots(admission, engine, g, per, stop, slots, row)
             if stop.is_set():
                 break
+            if style == "per_version":
+                # slots granted at a version this engine has not loaded yet (the trainer publishes
+                # it once its push is through, and a parked acquire is granted at it): wait for
+                # those weights, so that the rows counted under a version are generated under it
+                newest = int(admission.state()["version"])
+                while engine.version < newest and not stop.is_set():
+                    stop.wait(0.002)
             todo = problems(len(ids) // g, rng)
             prompts = [
                 tok.encode(p.prompt, add_special_tokens=False) for p in todo for _ in range(g)
@@ -335,8 +252,9 @@ def _take_slots(
 ) -> list[int]:
     """Admission slots for whole groups of ``g`` rows: one group's as soon as the budget allows,
     then more groups' as far as it allows now, up to ``most`` rows. The budget grows by whole
-    batches and every worker takes whole groups, so a group is never left half-held (two workers
-    each holding half of the last group would wait on each other)."""
+    groups (capacity: by batches; per_version: by a weight update's rows per version) and every
+    worker takes whole groups, so a group is never left half-held (two workers each holding half
+    of the last group would wait on each other)."""
     import tqstream
 
     ids: list[int] = []
@@ -454,20 +372,16 @@ def warm_start(trainer: Any, tok: Any, steps: int, rng: random.Random, batch: in
     """Supervised steps on the answer's *format* only: training prompts followed by random digits
     of the answer's length and the end of sequence. The policy learns to answer with five digits
     and stop, nothing about which digits (its exact-match stays near 10⁻⁵)."""
-    from tqstream.reference.task import format_answer, problems
+    from tqstream.reference.task import format_examples
 
     model = trainer.model
     model.train()
     for _ in range(steps):
-        todo = problems(batch, rng)
-        prompts = [torch.tensor(tok.encode(p.prompt, add_special_tokens=False)) for p in todo]
-        answers = [
-            torch.tensor(
-                [*tok.encode(format_answer(rng), add_special_tokens=False), tok.eos_token_id]
-            )
-            for _ in todo
-        ]
-        logp, mask = trainer.logprobs(prompts, answers)
+        prompts, answers = format_examples(
+            batch, rng, lambda text: tok.encode(text, add_special_tokens=False), tok.eos_token_id
+        )
+        logp, mask = trainer.logprobs([torch.tensor(p) for p in prompts],
+                                      [torch.tensor(a) for a in answers])  # fmt: skip
         loss = -(torch.where(mask, logp, 0.0).sum() / mask.sum())
         trainer.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -475,22 +389,9 @@ def warm_start(trainer: Any, tok: Any, steps: int, rng: random.Random, batch: in
     model.eval()
 
 
-@dataclasses.dataclass(frozen=True)
-class HeldOut:
-    """A greedy evaluation on held-out problems."""
-
-    exact: float
-    """Exact-match: the answer, then the end of sequence."""
-    digits: float
-    """The digits right (the task's reward, averaged): 0.1 by chance for an answer of the right
-    shape; less noisy than ``exact``, about whose fifth root it is."""
-
-
 @torch.no_grad()
 def evaluate(model: Any, tok: Any, problems: list[Any], max_new_tokens: int) -> HeldOut:
     """Greedy answers to ``problems`` (all prompts of one length: one batch, KV cache), scored."""
-    from tqstream.reference.task import exact, reward
-
     prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in problems]
     if len({len(p) for p in prompts}) != 1:
         raise ValueError("evaluate needs prompts of one length (the demo's task has them)")
@@ -502,13 +403,120 @@ def evaluate(model: Any, tok: Any, problems: list[Any], max_new_tokens: int) -> 
         past = res.past_key_values
         step = res.logits[:, -1].argmax(-1, keepdim=True)
         out = torch.cat([out, step], dim=1)
-    hits = digits = 0.0
-    for problem, row in zip(problems, out.tolist(), strict=True):
-        stopped = tok.eos_token_id in row
-        text = tok.decode(row[: row.index(tok.eos_token_id)] if stopped else row)
-        hits += exact(problem, text, stopped)
-        digits += reward(problem, text, stopped)
-    return HeldOut(hits / len(problems), digits / len(problems))
+    return score(problems, out.tolist(), tok.eos_token_id, tok.decode)
+
+
+class Learner(Protocol):
+    """What the loop drives: a trainer with its reads, its evaluation and its weights. The torch
+    one is :class:`TorchLearner`; the JAX one ``tqstream.reference.jax.JaxLearner``."""
+
+    @property
+    def version(self) -> int: ...
+    def evaluate(self, problems: list[Any]) -> HeldOut: ...
+    def warm_start(self, rng: random.Random) -> None: ...
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights to push, as the rollout workers' torch model names them."""
+        ...
+
+    def start(self, client: Any) -> None:
+        """Open the reads (after the warm start and the first weight push)."""
+        ...
+
+    def next_batch(self) -> Any:
+        """The next batch; ``RequestTimeoutError`` after ``POLL`` seconds without one (asking
+        again goes on waiting)."""
+        ...
+
+    def train(self, batch: Any) -> tuple[dict[str, Any], Any]:
+        """One step on ``batch``, acked: the step's statistics and the batch's ``BatchMeta``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TorchLearner:
+    """``PPOTrainer`` on the Hugging Face model, reading through ``ExperienceDataset``."""
+
+    def __init__(self, config: PipelineConfig, model: Any, tok: Any) -> None:
+        from tqstream.reference.trainer import PPOTrainer
+
+        self.config, self.model, self.tok = config, model, tok
+        self.trainer = PPOTrainer(
+            model, pad_id=tok.pad_token_id, lr=config.lr, temperature=config.temperature,
+            proximal=config.proximal, epochs=config.epochs, entropy_coef=config.entropy_coef,
+            max_grad_norm=config.max_grad_norm,
+        )  # fmt: skip
+        self._schedule: Any = None
+        self._data: Any = None
+        self._batches: Any = None
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def evaluate(self, problems: list[Any]) -> HeldOut:
+        return evaluate(self.model, self.tok, problems, self.config.max_new_tokens)
+
+    def warm_start(self, rng: random.Random) -> None:
+        warm_start(self.trainer, self.tok, self.config.warmup_steps, rng)
+        # the learning rate decays to 0 over the run (cosine): a solved policy is not shaken
+        # apart late by the few groups that still tell samples apart (Adam's normalised steps)
+        self._schedule = (
+            torch.optim.lr_scheduler.CosineAnnealingLR(self.trainer.optimizer, self.config.steps)
+            if self.config.lr_schedule == "cosine"
+            else torch.optim.lr_scheduler.ConstantLR(self.trainer.optimizer, factor=1.0)
+        )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def start(self, client: Any) -> None:
+        from tqstream import StalenessPolicy
+        from tqstream.adapters.torch import ExperienceDataset
+
+        c = self.config
+        self._data = ExperienceDataset(
+            client, FIELDS, c.batch_groups * c.group_size,
+            partition=c.partition, task="actor", whole_groups=True, ack="manual",
+            staleness=StalenessPolicy(max_staleness=c.max_staleness, measure=c.measure,
+                                      on_stale="drop"),
+            version_fn=lambda: self.trainer.version, timeout=POLL,
+        )  # fmt: skip
+        self._batches = iter(self._data)
+
+    def next_batch(self) -> Any:
+        import tqstream
+
+        try:
+            return next(self._batches)
+        except tqstream.RequestTimeoutError:
+            self._batches = iter(self._data)
+            raise
+
+    def train(self, batch: Any) -> tuple[dict[str, Any], Any]:
+        from tqstream.adapters.torch import meta_of
+
+        meta = meta_of(batch)
+        fresh = list(batch["fresh_mask"].unbind()) if self.config.measure == "token" else None
+        stats = self.trainer.step(
+            list(batch["prompt_ids"].unbind()), list(batch["response_ids"].unbind()),
+            list(batch["logprobs"].unbind()), list(batch["versions"].unbind()),
+            batch["rewards"], meta.groups, fresh=fresh,
+        )  # fmt: skip
+        self._schedule.step()
+        self._data.ack(batch)
+        return stats, meta
+
+    def close(self) -> None:
+        pass
+
+
+def _learner(config: PipelineConfig, model: Any, tok: Any) -> Learner:
+    if config.trainer == "jax":
+        from tqstream.reference.jax import JaxLearner
+
+        return JaxLearner(config, model, tok)
+    return TorchLearner(config, model, tok)
 
 
 def run(
@@ -518,11 +526,8 @@ def run(
 ) -> Summary:
     """Run the loop on ``client``'s cluster (default: an embedded one) and return its summary."""
     import tqstream
-    from tqstream import StalenessPolicy
-    from tqstream.adapters.torch import ExperienceDataset, meta_of
     from tqstream.reference.task import held_out
     from tqstream.reference.tiny import tiny_model, tiny_tokenizer
-    from tqstream.reference.trainer import PPOTrainer
     from tqstream.reference.weightsync import WeightHub
 
     config.check()
@@ -533,6 +538,7 @@ def run(
     client = tqstream.init() if own else client
     workers: _Workers | None = None
     hub: WeightHub | None = None
+    learner: Learner | None = None
     model_dir = tempfile.mkdtemp(prefix="tqstream-model-")  # tokenizer and initial weights
     t0 = time.perf_counter()
     try:
@@ -540,44 +546,27 @@ def run(
         tok = tiny_tokenizer(model_dir)
         model = tiny_model(len(tok), seed=config.seed)
         model.save_pretrained(model_dir)
-        trainer = PPOTrainer(
-            model, pad_id=tok.pad_token_id, lr=config.lr, temperature=config.temperature,
-            proximal=config.proximal, epochs=config.epochs, entropy_coef=config.entropy_coef,
-            max_grad_norm=config.max_grad_norm,
-        )  # fmt: skip
+        learner = _learner(config, model, tok)  # the JAX one starts from these weights too
         hub = WeightHub(timeout=config.timeout, backend=config.backend)
-        admission = client.admission("capacity", name="rollout", **_admission_config(config))
+        style, settings = admission_settings(config)
+        admission = client.admission(style, name="rollout", **settings)
         client.create_partition(config.partition, FIELDS, tasks=["actor"], admission="rollout")
         workers = _Workers(config, client.address, hub.port, model_dir, admission)
         # while the workers start: the held-out score of the random model, the format warm start
         # (the workers get its weights with the first sync, before their first rollout)
         held = held_out(config.eval_problems)
-        eval_untrained = evaluate(model, tok, held, config.max_new_tokens)
+        eval_untrained = learner.evaluate(held)
         warm = time.perf_counter()
-        warm_start(trainer, tok, config.warmup_steps, random.Random(config.seed))
+        learner.warm_start(random.Random(config.seed))
         warm_seconds = time.perf_counter() - warm
-        eval_first = evaluate(model, tok, held, config.max_new_tokens)
-        # the learning rate decays to 0 over the run (cosine): a solved policy is not shaken
-        # apart late by the few groups that still tell samples apart (Adam's normalised steps)
-        schedule = (
-            torch.optim.lr_scheduler.CosineAnnealingLR(trainer.optimizer, config.steps)
-            if config.lr_schedule == "cosine"
-            else torch.optim.lr_scheduler.ConstantLR(trainer.optimizer, factor=1.0)
-        )
+        eval_first = learner.evaluate(held)
         hub.wait_members(config.workers)
-        sync = hub.send(model.state_dict(), trainer.version)
+        sync = hub.send(learner.weights(), learner.version)
         rl_start = time.perf_counter() - t0
-        data = ExperienceDataset(
-            client, FIELDS, config.batch_groups * config.group_size,
-            partition=config.partition, task="actor", whole_groups=True, ack="manual",
-            staleness=StalenessPolicy(max_staleness=config.max_staleness,
-                                      measure=config.measure, on_stale="drop"),
-            version_fn=lambda: trainer.version, timeout=POLL,
-        )  # fmt: skip
+        learner.start(client)
         history: list[StepStats] = []
         latest = eval_first  # the last evaluation
         trained = masked = 0
-        batches = iter(data)
         last = time.perf_counter()
         for step in range(config.steps):
             deadline = time.monotonic() + config.timeout
@@ -585,54 +574,44 @@ def run(
                 if workers.error is not None:
                     raise PipelineError(workers.error)
                 try:
-                    batch = next(batches)
+                    batch = learner.next_batch()
                     break
                 except tqstream.RequestTimeoutError as exc:
                     if time.monotonic() > deadline:
                         raise tqstream.RequestTimeoutError(
                             f"the trainer got no batch within {config.timeout}s at version "
-                            f"{trainer.version} ({workers.describe()}; "
+                            f"{learner.version} ({workers.describe()}; "
                             f"{_where_rows_are(client, config.partition, admission)}): {exc}"
                         ) from exc
-                    batches = iter(data)
-            meta = meta_of(batch)
-            fresh = list(batch["fresh_mask"].unbind()) if config.measure == "token" else None
-            stats = trainer.step(
-                list(batch["prompt_ids"].unbind()), list(batch["response_ids"].unbind()),
-                list(batch["logprobs"].unbind()), list(batch["versions"].unbind()),
-                batch["rewards"], meta.groups, fresh=fresh,
-            )  # fmt: skip
-            schedule.step()
-            data.ack(batch)
+            stats, meta = learner.train(batch)
             trained += len(meta.row_ids)
             masked += meta.tokens_masked
             sync_s = 0.0
             if (step + 1) % config.sync_interval == 0 or step + 1 == config.steps:
-                sync = hub.send(model.state_dict(), trainer.version)
+                # the reads go on meanwhile where the learner reads ahead (the JAX iterator's
+                # prefetch thread leases the next batch while this thread pushes the weights)
+                sync = hub.send(learner.weights(), learner.version)
                 sync_s = sync.seconds
-                # the capacity moves with the weights the rollouts hold, not the trainer's
+                # the budget moves with the weights the rollouts hold, not the trainer's
                 # version: opened earlier, it would admit work done under the old weights
-                admission.on_version(trainer.version)
+                admission.on_version(learner.version)
             due = config.eval_every and (step + 1) % config.eval_every == 0
-            score = (
-                evaluate(model, tok, held, config.max_new_tokens)
-                if due or step + 1 == config.steps
-                else None
-            )
-            latest = score or latest
+            scored = learner.evaluate(held) if due or step + 1 == config.steps else None
+            latest = scored or latest
             now = time.perf_counter()
             rate = len(meta.row_ids) / (now - last)
             row = StepStats(
-                step, trainer.version, stats["reward_mean"], stats["loss"], stats["max_lag"],
+                step, learner.version, stats["reward_mean"], stats["loss"], stats["max_lag"],
                 rate, sync_s, sync.receivers, seconds=now - t0,
-                eval=None if score is None else score.exact,
-                eval_digits=None if score is None else score.digits,
+                eval=None if scored is None else scored.exact,
+                eval_digits=None if scored is None else scored.digits,
                 lag_counts=stats["lag_counts"], grad_norm=stats["grad_norm"],
             )  # fmt: skip
             last = now
             history.append(row)
             if on_step is not None:
                 on_step(row)
+        learner.close()  # batches read ahead go back to the partition: they count as left
         workers.close()
         part = client.stats(config.partition).partitions[config.partition]
         produced, dropped = part.produced, part.stale_dropped
@@ -663,6 +642,8 @@ def run(
             eval_digits_last=latest.digits,
         )
     finally:
+        if learner is not None:
+            learner.close()
         if workers is not None:
             workers.close()
         if hub is not None:

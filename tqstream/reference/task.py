@@ -13,10 +13,14 @@ fraction of the five digits that are right (1.0 for the exact answer).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
-__all__ = ["DIGITS", "Problem", "exact", "format_answer", "held_out", "problems", "reward"]
+__all__ = [
+    "DIGITS", "HeldOut", "Problem", "exact", "format_answer", "format_examples", "held_out",
+    "problems", "reward", "score",
+]  # fmt: skip
 
 DIGITS = 5
 """Digits of a problem's number and of its answer."""
@@ -60,6 +64,16 @@ def format_answer(rng: random.Random) -> str:
     return "".join(str(rng.randrange(10)) for _ in range(DIGITS))
 
 
+def format_examples(
+    n: int, rng: random.Random, encode: Callable[[str], list[int]], eos_id: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The format warm start's examples: ``n`` training prompts and as many answers of the right
+    shape with random digits, then the end of sequence (token ids)."""
+    todo = problems(n, rng)
+    answers = [[*encode(format_answer(rng)), eos_id] for _ in todo]
+    return [encode(p.prompt) for p in todo], answers
+
+
 def reward(problem: Problem, completion: str, stopped: bool) -> float:
     """The fraction of the answer's digits that are right, for a completion of exactly
     ``DIGITS`` digits followed by the end of sequence; 0 otherwise."""
@@ -71,3 +85,29 @@ def reward(problem: Problem, completion: str, stopped: bool) -> float:
 def exact(problem: Problem, completion: str, stopped: bool) -> bool:
     """The exact answer, then the end of sequence."""
     return stopped and completion == problem.answer
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A greedy evaluation on held-out problems."""
+
+    exact: float
+    """Exact-match: the answer, then the end of sequence."""
+    digits: float
+    """The digits right (the task's reward, averaged): 0.1 by chance for an answer of the right
+    shape; less noisy than ``exact``, about whose fifth root it is."""
+
+
+def score(
+    todo: Sequence[Problem], completions: Sequence[Sequence[int]], eos_id: int,
+    decode: Callable[[list[int]], str],
+) -> HeldOut:  # fmt: skip
+    """The evaluation of one completion (token ids, cut at the first ``eos_id``) per problem."""
+    hits = digits = 0.0
+    for problem, row in zip(todo, completions, strict=True):
+        tokens = list(row)
+        stopped = eos_id in tokens
+        text = decode(tokens[: tokens.index(eos_id)] if stopped else tokens)
+        hits += exact(problem, text, stopped)
+        digits += reward(problem, text, stopped)
+    return HeldOut(hits / len(todo), digits / len(todo))
