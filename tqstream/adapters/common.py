@@ -7,8 +7,10 @@ not load tensordict or torch.utils.data to read from tqstream.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import msgspec
 
 import tqstream
 from tqstream.client.admission import AdmissionHandle
@@ -17,7 +19,7 @@ from tqstream.errors import InvalidRequestError
 from tqstream.experience import Experience
 from tqstream.types import BatchMeta
 
-__all__ = ["Connection", "ExperienceWriter"]
+__all__ = ["Connection", "ExperienceWriter", "Position"]
 
 
 class Connection:
@@ -92,3 +94,41 @@ class ExperienceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Position:
+    """A reader's place in its stream, for checkpoints: the controller holds what was consumed;
+    this holds the batch yielded last and not acked yet (``ack="next"``: acked when the next one
+    is asked for, i.e. after the step that trained on it), and, after a restore, the batch the
+    checkpoint trained on, acked when reading starts."""
+
+    def __init__(self) -> None:
+        self.pending: BatchMeta | None = None
+        self.restored: BatchMeta | None = None
+        self.yielded = 0
+
+    def yielded_batch(self, meta: BatchMeta, ack_next: bool) -> None:
+        """``meta`` was handed to the trainer; with ``ack_next`` it is acked at the next read."""
+        self.pending = meta if ack_next else None
+        self.yielded += 1
+
+    def ack_pending(self, client: Client) -> None:
+        if self.pending is not None:
+            client.ack(self.pending)
+            self.pending = None
+
+    def resume(self, client: Client) -> None:
+        """Ack the restored batch (``resumed``: its lease may have ended while the trainer was
+        down; rows no other reader took are consumed, others raise ``LeaseExpiredError``)."""
+        if self.restored is not None:
+            client.ack(self.restored, resumed=True)
+            self.restored = None
+
+    def state_dict(self) -> dict[str, Any]:
+        pending = None if self.pending is None else msgspec.to_builtins(self.pending)
+        return {"batches_yielded": self.yielded, "pending": pending}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.yielded = int(state.get("batches_yielded", 0))
+        pending = state.get("pending")
+        self.restored = None if pending is None else msgspec.convert(pending, BatchMeta)

@@ -28,7 +28,7 @@ from tensordict import TensorDictBase
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tqstream.adapters.common import Connection as _Connection
-from tqstream.adapters.common import ExperienceWriter
+from tqstream.adapters.common import ExperienceWriter, Position
 from tqstream.client.client import Client, PadValues
 from tqstream.client.versions import tokens_outside
 from tqstream.errors import InvalidRequestError, PartitionDrainedError
@@ -112,9 +112,7 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
         self.padded, self.pad_values, self.ack_mode, self.finite = padded, pad_values, ack, finite
         self.timeout, self.lease_timeout, self.share_group = timeout, lease_timeout, share_group
         self.versions_field = versions_field
-        self._pending: BatchMeta | None = None  # yielded, acked when the next batch is asked for
-        self._yielded = 0
-        self._restored: BatchMeta | None = None
+        self._position = Position()
 
     @staticmethod
     def collate(batch: TensorDictBase) -> TensorDictBase:
@@ -162,16 +160,13 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
             )
         client = self._conn.client()
         client.create_partition(self.partition, self.fields)  # wait for producers, not fail
-        if self._restored is not None:  # trained before the checkpoint this run resumes from
-            client.ack(self._restored, resumed=True)
-            self._restored = None
+        self._position.resume(client)  # the batch the checkpoint this run resumes from trained on
         while True:
-            self._ack_pending(client)
+            self._position.ack_pending(client)
             meta = self._next_meta(client)
             if meta is None:
                 return
-            self._pending = meta if self.ack_mode == "next" and self._leader else None
-            self._yielded += 1
+            self._position.yielded_batch(meta, self.ack_mode == "next" and self._leader)
             yield self._batch(client, meta)
 
     @property
@@ -218,11 +213,6 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
         data = self._with_meta(data, meta)
         return data
 
-    def _ack_pending(self, client: Client) -> None:
-        if self._pending is not None:
-            client.ack(self._pending)
-            self._pending = None
-
     # --- acks ---
     def ack(self, batch: TensorDictBase | BatchMeta) -> int:
         """Consume a yielded batch (``ack="manual"``), from any process; twice is harmless."""
@@ -238,14 +228,11 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
     def state_dict(self) -> dict[str, Any]:
         """The position: the controller holds what was consumed; this holds the batch yielded
         last and not yet acked (``ack="next"``), which the checkpointed step trained on."""
-        pending = None if self._pending is None else msgspec.to_builtins(self._pending)
-        return {"batches_yielded": self._yielded, "pending": pending}
+        return self._position.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the batch the checkpoint trained on is acked when iteration starts."""
-        self._yielded = int(state.get("batches_yielded", 0))
-        pending = state.get("pending")
-        self._restored = None if pending is None else msgspec.convert(pending, BatchMeta)
+        self._position.load_state_dict(state)
 
 
 def _broadcast_meta(meta: BatchMeta | None, group: Any) -> BatchMeta | None:

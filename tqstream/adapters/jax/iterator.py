@@ -23,10 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import msgspec
 import numpy as np
 
-from tqstream.adapters.common import Connection
+from tqstream.adapters.common import Connection, Position
 from tqstream.adapters.jax.arrays import (
     bucket_for,
     check_buckets,
@@ -131,9 +130,7 @@ class ExperienceIterator:
         self.finite, self.timeout, self.lease_timeout = finite, timeout, lease_timeout
         self.versions_field, self.prefetch, self.row_versions = (
             versions_field, prefetch, row_versions)  # fmt: skip
-        self._pending: BatchMeta | None = None  # yielded, acked when the next one is asked for
-        self._restored: BatchMeta | None = None
-        self._yielded = 0
+        self._position = Position()
         self._started = False
         self._ended = False
         self._ahead: Prefetcher | None = None
@@ -144,7 +141,7 @@ class ExperienceIterator:
 
     def __next__(self) -> JaxBatch:
         client = self._start()
-        self._ack_pending(client)
+        self._position.ack_pending(client)
         if self._ended:
             raise StopIteration
         item = self._take() if self._ahead is not None else self._read(client, None, None)
@@ -153,8 +150,7 @@ class ExperienceIterator:
             raise StopIteration
         batch = item if isinstance(item, JaxBatch) else self._convert(client, item)
         assert batch.meta is not None
-        self._pending = batch.meta if self.ack_mode == "next" else None
-        self._yielded += 1
+        self._position.yielded_batch(batch.meta, self.ack_mode == "next")
         return batch
 
     def get_experience(
@@ -181,9 +177,7 @@ class ExperienceIterator:
         client = self._conn.client()
         if not self._started:
             client.create_partition(self.partition, self.fields)  # wait for producers, not fail
-            if self._restored is not None:  # trained on before the checkpoint resumed from
-                client.ack(self._restored, resumed=True)  # raises: not started, nothing read
-                self._restored = None
+            self._position.resume(client)  # raises: not started, nothing read
             self._started = True
         if prefetching and self.prefetch and self._ahead is None:
             read = functools.partial(self._read_ahead, client)
@@ -324,11 +318,6 @@ class ExperienceIterator:
         return out
 
     # --- acks ---
-    def _ack_pending(self, client: Client) -> None:
-        if self._pending is not None:
-            client.ack(self._pending)
-            self._pending = None
-
     def ack(self, batch: JaxBatch | BatchMeta) -> int:
         """Consume a batch after its step (``ack="manual"``); twice is harmless."""
         return self._conn.client().ack(_meta(batch))
@@ -354,14 +343,11 @@ class ExperienceIterator:
     def state_dict(self) -> dict[str, Any]:
         """The position: the controller holds what was consumed; this holds the batch yielded
         last and not yet acked (``ack="next"``), which the checkpointed step trained on."""
-        pending = None if self._pending is None else msgspec.to_builtins(self._pending)
-        return {"batches_yielded": self._yielded, "pending": pending}
+        return self._position.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: the batch the checkpoint trained on is acked when reading starts."""
-        self._yielded = int(state.get("batches_yielded", 0))
-        pending = state.get("pending")
-        self._restored = None if pending is None else msgspec.convert(pending, BatchMeta)
+        self._position.load_state_dict(state)
 
     get_state = state_dict
     """grain's name for :meth:`state_dict`."""
