@@ -7,7 +7,7 @@ not load tensordict or torch.utils.data to read from tqstream.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -17,9 +17,33 @@ from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
 from tqstream.errors import InvalidRequestError
 from tqstream.experience import Experience
+from tqstream.staleness import StalenessPolicy
 from tqstream.types import BatchMeta
 
-__all__ = ["Connection", "ExperienceWriter", "Position"]
+__all__ = ["ACK_MODES", "Connection", "ExperienceWriter", "Position", "reader_window"]
+
+ACK_MODES = ("next", "manual")
+
+
+def reader_window(
+    reader: str, example: str, ack: str, fields: Sequence[str], batch_size: Any,
+    staleness: StalenessPolicy | None, version_fn: Callable[[], int] | None,
+) -> StalenessPolicy:  # fmt: skip
+    """A reader's arguments checked as every adapter's reader checks them; its window (none:
+    every row is inside)."""
+    if ack not in ACK_MODES:
+        raise InvalidRequestError(f"ack must be 'next' or 'manual', got {ack!r}")
+    if not fields:
+        raise InvalidRequestError(f"{reader} needs the fields to read, e.g. [{example!r}]")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise InvalidRequestError(f"batch_size must be a positive int, got {batch_size!r}")
+    staleness = StalenessPolicy() if staleness is None else staleness
+    if staleness.max_staleness is not None and version_fn is None:
+        raise InvalidRequestError(
+            "a staleness window needs the trainer's version: pass version_fn=lambda: "
+            "<current policy version>"
+        )
+    return staleness
 
 
 class Connection:

@@ -28,7 +28,7 @@ from tensordict import TensorDictBase
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tqstream.adapters.common import Connection as _Connection
-from tqstream.adapters.common import ExperienceWriter, Position
+from tqstream.adapters.common import ExperienceWriter, Position, reader_window
 from tqstream.client.client import Client, PadValues
 from tqstream.client.versions import tokens_outside
 from tqstream.errors import InvalidRequestError, PartitionDrainedError
@@ -38,7 +38,6 @@ from tqstream.types import BatchMeta
 __all__ = ["ExperienceDataset", "ExperienceWriter"]
 
 META_KEY = "_tqstream_meta"  # the batch's lease, a non-tensor entry that crosses worker queues
-_ACK_MODES = ("next", "manual")
 _NEXT_IN_WORKER = (
     "ack='next' acks a batch when the next one is asked for, but a DataLoader worker is asked "
     "ahead of the training step; with num_workers > 0 build the dataset with ack='manual' and "
@@ -91,20 +90,8 @@ class ExperienceDataset(IterableDataset[TensorDictBase]):
         timeout: float | None = None, lease_timeout: float | None = None,
         share_group: Any = None, versions_field: str = "versions",
     ) -> None:  # fmt: skip
-        if ack not in _ACK_MODES:
-            raise InvalidRequestError(f"ack must be 'next' or 'manual', got {ack!r}")
-        if not fields:
-            raise InvalidRequestError(
-                "ExperienceDataset needs the fields to read, e.g. ['input_ids']"
-            )
-        if not isinstance(batch_size, int) or batch_size <= 0:
-            raise InvalidRequestError(f"batch_size must be a positive int, got {batch_size!r}")
-        staleness = StalenessPolicy() if staleness is None else staleness
-        if staleness.max_staleness is not None and version_fn is None:
-            raise InvalidRequestError(
-                "a staleness window needs the trainer's version: pass version_fn=lambda: "
-                "<current policy version>"
-            )
+        staleness = reader_window("ExperienceDataset", "input_ids", ack, fields, batch_size,
+                                  staleness, version_fn)  # fmt: skip
         self._conn = _Connection(source)
         self.fields, self.batch_size, self.partition, self.task = (
             list(fields), batch_size, partition, task)  # fmt: skip

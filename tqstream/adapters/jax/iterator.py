@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tqstream.adapters.common import Connection, Position
+from tqstream.adapters.common import Connection, Position, reader_window
 from tqstream.adapters.jax.arrays import (
     bucket_for,
     check_buckets,
@@ -57,7 +57,6 @@ from tqstream.types import BatchMeta
 __all__ = ["ExperienceIterator"]
 
 PadValues = float | Mapping[str, float]
-_ACK_MODES = ("next", "manual")
 _END = object()  # the prefetcher's mark for a finite stream that ended
 _WAIT_SLICE = 0.5
 """How long a prefetcher's read waits for rows at a time when reads wait forever
@@ -98,20 +97,10 @@ class ExperienceIterator:
         versions_field: str = "versions", sharding: Any = None, prefetch: int = 0,
         row_versions: bool = False,
     ) -> None:  # fmt: skip
-        if ack not in _ACK_MODES:
-            raise InvalidRequestError(f"ack must be 'next' or 'manual', got {ack!r}")
-        if not fields:
-            raise InvalidRequestError("ExperienceIterator needs the fields to read, e.g. ['ids']")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise InvalidRequestError(f"batch_size must be a positive int, got {batch_size!r}")
+        staleness = reader_window("ExperienceIterator", "ids", ack, fields, batch_size,
+                                  staleness, version_fn)  # fmt: skip
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InvalidRequestError(f"prefetch must be an int >= 0, got {prefetch!r}")
-        staleness = StalenessPolicy() if staleness is None else staleness
-        if staleness.max_staleness is not None and version_fn is None:
-            raise InvalidRequestError(
-                "a staleness window needs the trainer's version: pass version_fn=lambda: "
-                "<current policy version>"
-            )
         self.fields = list(fields)
         unknown = [f for f in packed if f not in self.fields]
         if unknown:
