@@ -32,6 +32,7 @@ _LAZY = {
     "ExperienceBatch": "tqstream.experience",
     "FieldSchema": "tqstream.types",
     "PartitionStats": "tqstream.types",
+    "RowShapes": "tqstream.types",
     "ProcessCluster": "tqstream.launch.processes",
     "StalenessPolicy": "tqstream.staleness",
     "Stats": "tqstream.types",

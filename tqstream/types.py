@@ -95,6 +95,22 @@ class FieldSchema(msgspec.Struct, frozen=True):
         return f"{self.kind} {self.dtype}[{dims}]"
 
 
+class RowShapes(msgspec.Struct, frozen=True, array_like=True):
+    """The shapes of a tensor field's rows, as TransferQueue's metadata reports them: ``nested``
+    False and ``shape`` the one shape all the rows have, or ``nested`` True and ``rows`` each
+    row's shape, in the order of the rows described. A put made through the TransferQueue
+    compatibility layer sends its record; the controller keeps one per field and partition (a
+    field turns nested when rows of another shape arrive, and back when removals leave one
+    shape) and returns it in :attr:`BatchMeta.shapes`."""
+
+    nested: bool
+    shape: tuple[int, ...] | None = None
+    rows: list[tuple[int, ...]] | None = None
+
+    def select(self, pick: Any) -> RowShapes:
+        return self if self.rows is None else RowShapes(True, None, pick(self.rows))
+
+
 class BatchMeta(msgspec.Struct, frozen=True):
     """Metadata of a batch of rows of one partition, in batch order.
 
@@ -123,6 +139,8 @@ class BatchMeta(msgspec.Struct, frozen=True):
     tags: list[Tags] = []  # per row, its tags; [] when no row of the batch has any
     tokens_masked: int = 0  # a token-measure read: generated tokens outside its window
     token_window: list[int] | None = None  # a token-measure read: [current_version, max_staleness]
+    # per field put through the TransferQueue compatibility layer, its rows' shapes (RowShapes)
+    shapes: dict[str, RowShapes] = {}
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -155,6 +173,7 @@ class BatchMeta(msgspec.Struct, frozen=True):
             dispatch_version=opt(self.dispatch_version),
             replicas=opt(self.replicas),
             tags=opt(self.tags),
+            shapes={f: s.select(pick) for f, s in self.shapes.items()},
         )
 
 

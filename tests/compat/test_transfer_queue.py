@@ -100,6 +100,57 @@ def test_bad_tags_and_shapes_are_refused_and_nothing_is_stored(session: Any) -> 
     assert tq.kv_list() == before
 
 
+def _schema(client: Any, partition: str, n: int) -> dict[str, Any]:
+    meta = client.get_meta(["x"], n, partition, mode="force_fetch")
+    return meta.field_schema["x"]
+
+
+def test_is_nested_follows_the_shapes_put_as_transferqueue_reports_it(
+    session: Any, tmp_path: Any
+) -> None:
+    """A regular field turns nested when rows of another shape arrive, and back when a clear
+    leaves rows of one shape; a nested put is nested even of one shape; a checkpoint keeps it."""
+    session.put(TensorDict({"x": torch.ones(2, 4)}, batch_size=[2]), partition_id="p")
+    first = _schema(session, "p", 2)
+    assert first["is_nested"] is False and first["shape"] == torch.Size([4])
+    assert "per_sample_shapes" not in first
+    slots = session.get_meta(["x"], 2, "p", mode="insert", task_name="alloc")
+    session.put(TensorDict({"x": torch.ones(2, 6)}, batch_size=[2]), metadata=slots)
+    mixed = _schema(session, "p", 4)
+    assert mixed["is_nested"] is True and mixed["shape"] is None
+    assert mixed["per_sample_shapes"] == [(4,), (4,), (6,), (6,)]
+    ragged = torch.nested.nested_tensor([torch.ones(3), torch.ones(5)], layout=torch.jagged)
+    tq.kv_batch_put(keys=["k0", "k1"], partition_id="q", fields=TensorDict({"x": ragged}, [2]))
+    assert session.kv_retrieve_meta(["k0", "k1"], "q").field_schema["x"]["per_sample_shapes"] == [
+        (3,), (5,)]  # fmt: skip
+    uniform = torch.nested.nested_tensor([torch.ones(2), torch.ones(2)], layout=torch.jagged)
+    session.put(TensorDict({"x": uniform}, batch_size=[2]), partition_id="r")
+    assert _schema(session, "r", 2)["is_nested"] is True
+    tq.save_checkpoint(tmp_path / "ckpt")
+    everything = session.get_meta(["x"], 4, "p", mode="force_fetch")
+    session.clear_samples(everything.select_samples([2, 3]))  # the rows of shape (6,)
+    regular = _schema(session, "p", 2)
+    assert regular["is_nested"] is False and regular["shape"] == torch.Size([4])
+    for partition in ("p", "q", "r"):
+        session.clear_partition(partition)
+    tq.load_checkpoint(tmp_path / "ckpt")
+    assert _schema(session, "p", 4)["per_sample_shapes"] == [(4,), (4,), (6,), (6,)]
+    assert _schema(session, "r", 2)["is_nested"] is True
+
+
+def test_a_shape_record_that_does_not_fit_the_put_is_refused(session: Any) -> None:
+    client = session.client
+    data = {"x": [torch.ones(2), torch.ones(3)]}
+    for shapes, match in (
+        ({"y": tqstream.RowShapes(False, (2,))}, "does not write"),
+        ({"x": tqstream.RowShapes(True, None, [(2,)])}, "list 1 rows, the put has 2"),
+        ({"x": tqstream.RowShapes(False)}, "give no shape"),
+    ):
+        with pytest.raises(tqstream.InvalidRequestError, match=match):
+            client.put(data, "p", shapes=shapes)
+    assert "p" not in client.stats().partitions
+
+
 def test_metadata_of_another_cluster_is_refused(session: Any) -> None:
     tq.kv_batch_put(keys=["a", "b"], partition_id="p", fields=rows(2))
     meta = session.kv_retrieve_meta(["a", "b"], "p")

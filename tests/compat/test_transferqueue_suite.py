@@ -7,9 +7,8 @@ process and in the Ray workers its tests start is tqstream's compatibility layer
 
 Run: the KV interface, the lifecycle (client API), the checkpoint and the metadata tests. Left
 out, each for the reason given in ``LEFT_OUT``: tests that assert TransferQueue's own files on
-disk or patch its internals, and one known difference (docs/migrating.md). The rest of
-TransferQueue's tests exercise its controller, storage units, samplers, wire protocol and other
-backends, none of which tqstream has.
+disk or patch its internals. The rest of TransferQueue's tests exercise its controller, storage
+units, samplers, wire protocol and other backends, none of which tqstream has.
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ FILES = [
 LEFT_OUT = {
     "tests/test_metadata.py::TestStorageUnitDataStrict::test_put_data_length_mismatch_raises":
         "TransferQueue's storage unit class, not metadata",
-    "tests/e2e/test_e2e_lifecycle_consistency.py::test_dynamic_tensor_shape_nested_transition":
-        "metadata of a uniform tensor field says is_nested (docs/migrating.md); its data agrees",
     "tests/e2e/test_checkpoint_e2e.py::TestCheckpointRoundtrip::test_tensor_fields":
         "TransferQueue's checkpoint files (controller_state.pkl, simple_storage/)",
     "tests/e2e/test_checkpoint_e2e.py::TestIncludeStorageFalse::test_storage_saved_is_true":
@@ -51,7 +48,7 @@ LEFT_OUT = {
     "tests/e2e/test_checkpoint_e2e.py::TestCheckpointErrors::test_no_partial_state_on_failed_save":
         "patches TransferQueueClient.save_storage_checkpoint",
 }  # fmt: skip
-EXPECTED_PASSED = 120  # every test of FILES but LEFT_OUT (and 2 that need CUDA)
+EXPECTED_PASSED = 121  # every test of FILES but LEFT_OUT (and 2 that need CUDA)
 
 
 def _wheel_tests(dest: Path) -> None:

@@ -56,7 +56,7 @@ from tqstream.protocol.messages import (
     SaveCheckpoint,
 )
 from tqstream.staleness import StalenessPolicy
-from tqstream.types import BatchMeta, CheckpointSummary, RowListing, Stats, check_style
+from tqstream.types import BatchMeta, CheckpointSummary, RowListing, RowShapes, Stats, check_style
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -187,6 +187,7 @@ class Client:
         reject_mixed_versions: bool = False,
         timeout: float | None = None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
+        shapes: Mapping[str, RowShapes] | None = None,
     ) -> BatchMeta:
         """Store ``data`` (TensorDict or dict of tensors / lists, B rows) as B new rows.
 
@@ -199,14 +200,16 @@ class Client:
         ``reject_mixed_versions``: refuse (and count) rows whose tokens span several versions.
         ``timeout``: how long to wait for room when storage units have byte quotas (None:
         forever), then ``CapacityError``. ``tags``: per row, a small mapping of str to scalars
-        the controller keeps with the row (see ``put_by_keys``). The rows become visible to
-        readers all at once, when every byte is stored.
+        the controller keeps with the row (see ``put_by_keys``). ``shapes``: per tensor field,
+        its rows' shapes as TransferQueue's metadata reports them (``RowShapes``; the
+        TransferQueue compatibility layer sends them, ``BatchMeta.shapes`` returns them). The rows
+        become visible to readers all at once, when every byte is stored.
         """
         window = self.config.coalesce_window
         req, columns = encode_put(
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout, tags,
-            self._signatures if window else None,
+            self._signatures if window else None, shapes,
         )  # fmt: skip
         if window:  # puts of several threads meet on the IO thread
             self._check()
@@ -227,12 +230,13 @@ class Client:
         reject_mixed_versions: bool = False,
         timeout: float | None = None,
         tags: Sequence[Mapping[str, Any] | None] | None = None,
+        shapes: Mapping[str, RowShapes] | None = None,
     ) -> BatchMeta:
         coalescing = self.config.coalesce_window is not None
         req, columns = encode_put(
             data, partition, keys, groups, group_size, version, dispatch_version,
             versions_field, reject_mixed_versions, timeout, tags,
-            self._signatures if coalescing else None,
+            self._signatures if coalescing else None, shapes,
         )  # fmt: skip
         return await self._async(ClientCore.put, req, columns)
 
@@ -245,17 +249,19 @@ class Client:
         tags: Sequence[Mapping[str, Any] | None] | None = None,
         version: int | None = None,
         versions_field: str | None = "versions",
+        shapes: Mapping[str, RowShapes] | None = None,
     ) -> None:
         """Add columns (e.g. ``advantages``) to existing rows, in ``meta``'s row order.
 
         A field a row has already is refused (``FieldExistsError``) unless ``overwrite=True``:
         the new values then replace the old ones, which readers stop seeing at the commit (views
         already read stay valid). ``tags``: per row, merged into the row's tags at the commit.
-        ``version`` / ``versions_field``: policy versions for rows that have none yet."""
+        ``version`` / ``versions_field``: policy versions for rows that have none yet.
+        ``shapes``: as for ``put``."""
         columns = encode_fields(meta, data)
         req = fields_request(
             meta.partition, columns, row_ids=meta.row_ids, tags=tags, overwrite=overwrite,
-            version=version, versions_field=versions_field,
+            version=version, versions_field=versions_field, shapes=shapes,
         )  # fmt: skip
         self._sync(ClientCore.write_fields, req, columns)
 
@@ -268,11 +274,12 @@ class Client:
         tags: Sequence[Mapping[str, Any] | None] | None = None,
         version: int | None = None,
         versions_field: str | None = "versions",
+        shapes: Mapping[str, RowShapes] | None = None,
     ) -> None:
         columns = encode_fields(meta, data)
         req = fields_request(
             meta.partition, columns, row_ids=meta.row_ids, tags=tags, overwrite=overwrite,
-            version=version, versions_field=versions_field,
+            version=version, versions_field=versions_field, shapes=shapes,
         )  # fmt: skip
         await self._async(ClientCore.write_fields, req, columns)
 
@@ -287,6 +294,7 @@ class Client:
         overwrite: bool = True,
         version: int | None = None,
         versions_field: str | None = "versions",
+        shapes: Mapping[str, RowShapes] | None = None,
     ) -> BatchMeta:
         """Write fields and/or tags of the rows of ``keys`` (one row of ``data`` and one entry of
         ``tags`` per key, in order): a key-value write.
@@ -299,14 +307,14 @@ class Client:
         their fields can follow). ``version`` / ``versions_field``: the rows' policy versions, as
         for ``put``, set on the rows that have none yet (created by this write, or without
         fields until now). Returns the rows' metadata, ``fields`` being the fields every one of
-        them has now; nothing is written on error."""
+        them has now; nothing is written on error. ``shapes``: as for ``put``."""
         if data is None:
             return self._sync(ClientCore.call, upsert_message(partition, keys, tags, create),
                               MetaReply).batch()  # fmt: skip
         names, columns = keyed_columns(keys, data)
         req = fields_request(
             partition, columns, keys=names, tags=tags, create=create, overwrite=overwrite,
-            version=version, versions_field=versions_field,
+            version=version, versions_field=versions_field, shapes=shapes,
         )  # fmt: skip
         return self._sync(ClientCore.write_fields, req, columns)
 
@@ -321,6 +329,7 @@ class Client:
         overwrite: bool = True,
         version: int | None = None,
         versions_field: str | None = "versions",
+        shapes: Mapping[str, RowShapes] | None = None,
     ) -> BatchMeta:
         if data is None:
             msg = upsert_message(partition, keys, tags, create)
@@ -328,7 +337,7 @@ class Client:
         names, columns = keyed_columns(keys, data)
         req = fields_request(
             partition, columns, keys=names, tags=tags, create=create, overwrite=overwrite,
-            version=version, versions_field=versions_field,
+            version=version, versions_field=versions_field, shapes=shapes,
         )  # fmt: skip
         return await self._async(ClientCore.write_fields, req, columns)
 

@@ -375,7 +375,7 @@ class ClientCore:
                              rejected=req.rejected)  # fmt: skip
         direct = req.nbytes < self.config.direct_put_bytes and self.unit_addresses
         if direct and partition not in self._placed:
-            if coalesce and self.config.coalesce_window is not None:
+            if coalesce and self.config.coalesce_window is not None and req.shapes is None:
                 return await self._coalesced(req, columns)
             return await self._put_one(*encoded(req, columns))
         return await self._put_placed(*encoded(req, columns))

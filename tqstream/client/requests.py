@@ -31,7 +31,7 @@ from tqstream.protocol.messages import (
     UpsertRows,
 )
 from tqstream.staleness import StalenessPolicy, check_version
-from tqstream.types import BatchMeta, Tags
+from tqstream.types import BatchMeta, RowShapes, Tags
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -119,6 +119,7 @@ def encode_put(
     timeout: float | None,
     tags: Sequence[Mapping[str, Any] | None] | None = None,
     signatures: Signatures | None = None,
+    shapes: Mapping[str, RowShapes] | None = None,
 ) -> tuple[PreparePut, dict[str, Column] | Deferred]:
     """Encode the batch into columns and the prepare request (in the caller's thread). With
     ``signatures`` (a coalescing client's), an input whose signature is known is deferred
@@ -184,6 +185,8 @@ def encode_put(
             pick = lambda seq: None if seq is None else [seq[i] for i in keep]  # noqa: E731
             keys, groups, dispatch = pick(keys), pick(groups), pick(dispatch)
             starts, ends, wire_tags = pick(starts), pick(ends), pick(wire_tags)
+            if shapes:
+                shapes = {f: s.select(pick) for f, s in shapes.items()}
             n = len(keep)
     req = PreparePut(
         rid=0,
@@ -201,6 +204,7 @@ def encode_put(
         rejected=rejected,
         timeout=timeout,
         tags=wire_tags,
+        shapes=None if shapes is None else dict(shapes),
     )
     if signatures is not None and signed is not None and isinstance(encoded, dict):
         signatures.learn(signed[0], schemas)
@@ -252,6 +256,7 @@ def fields_request(
     overwrite: bool = False,
     version: int | None = None,
     versions_field: str | None = "versions",
+    shapes: Mapping[str, RowShapes] | None = None,
 ) -> PrepareFields:
     """The request of a ``put_fields`` (rows by id) or ``put_by_keys`` (rows by key), in the
     caller's thread: the rows' policy versions come from a per-token versions field or
@@ -274,6 +279,7 @@ def fields_request(
         tags=check_tags(tags, n),
         version_start=starts,
         version_end=ends,
+        shapes=None if shapes is None else dict(shapes),
     )
 
 

@@ -163,6 +163,7 @@ class Catalog:
             dispatch_version=t.versions(t.vdisp, idx),
             replicas=replicas if max(replicas, default=-1) >= 0 else [],
             tags=tags if any(tags) else [],
+            shapes=p.shapes.of(fields, ids) if p.shapes else {},
         )
 
     @staticmethod

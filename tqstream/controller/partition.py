@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 import numpy as np
 
 from tqstream.controller.rows import COMMITTED, NO_VERSION, SMALL, Row, Rows
+from tqstream.controller.shapes import Shapes
 from tqstream.controller.views import GroupKey, GroupView, ReadyView
 from tqstream.errors import (
     DuplicateKeyError,
@@ -165,6 +166,7 @@ class Partition:
         self.stale_seen: list[int] = []  # filled by select() under a staleness window
         self.producers = 1  # close_partition calls that close it
         self.closes = 0
+        self.shapes = Shapes()  # fields put through the TransferQueue layer: their rows' shapes
 
     @property
     def next_row(self) -> int:
@@ -601,6 +603,8 @@ class Partition:
                 for gv in self.group_views.values():
                     gv.forget(rid)
         rows.remove_all(idx)
+        if self.shapes:
+            self.shapes.forget(ids)
         return ids
 
     def _remove_few(self, row_ids: Sequence[int]) -> list[int]:
@@ -657,6 +661,8 @@ class Partition:
                 for gv in self.group_views.values():
                     gv.forget(rid)
         rows.remove_few(ids)
+        if self.shapes:
+            self.shapes.forget(ids)
         return ids
 
     def trim(self) -> None:

@@ -24,6 +24,7 @@ from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import Effects, Half, Ids, PendingPut, PutBook, WaitingPut
 from tqstream.controller.rows import Row, check_versions
+from tqstream.controller.shapes import shapes_problem
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     CapacityError,
@@ -104,6 +105,9 @@ class Puts:
                 raise InvalidRequestError(
                     f"{vname} has {len(vseq)} entries but the put has {req.n_rows} rows"
                 )
+        problem = shapes_problem(req.shapes, req.schemas, req.n_rows)
+        if problem is not None:
+            raise InvalidRequestError(problem)
         check_versions([req.version], "version")
         check_versions(req.version_start, "version_start")
         check_versions(req.version_end, "version_end")
@@ -191,6 +195,7 @@ class Puts:
             timed=pinned is None,  # a stored put commits at once: no put_timeout to watch
         )  # fmt: skip
         put.rejected = req.rejected  # an aborted put that is retried must not count them twice
+        put.shapes = req.shapes
         return PutPlan(rid=req.rid, put_id=put.put_id, first_row=ids.start, n_rows=len(ids),
                        segments=segments)  # fmt: skip
 
@@ -211,6 +216,9 @@ class Puts:
                 raise InvalidRequestError(
                     f"{what}= has {len(seq)} entries but the write names {len(named)} rows"
                 )
+        problem = shapes_problem(req.shapes, req.schemas, len(named))
+        if problem is not None:
+            raise InvalidRequestError(problem)
         if len(set(named)) < len(named):
             twice = next(r for i, r in enumerate(named) if r in named[:i])
             raise InvalidRequestError(
@@ -270,6 +278,7 @@ class Puts:
         put.created = set(created)
         put.units = [(r.unit, r.replica) for r in rows]
         put.tags = req.tags
+        put.shapes = req.shapes
         # only values some row already holds are staged at the units and need publishing
         put.overwrite = req.overwrite and any(r.written & mask for r in rows)
         if req.version_start is not None or req.version_end is not None:
@@ -402,6 +411,8 @@ class Puts:
         p = self.catalog.partitions[put.partition]
         if put.new_rows:
             p.commit_rows(put.ids, put.mask)
+            if put.shapes:
+                p.shapes.write(put.ids, put.shapes)
             p.produced += len(put.ids)
             p.rejected += put.rejected
             if p.ttl is not None:
@@ -427,6 +438,8 @@ class Puts:
                         r.version_start = r.dispatch_version = start
                         r.version_end = end
             p.commit_fields([r for r in live if r.id not in put.created], put.mask)
+            if put.shapes:
+                p.shapes.write(put.ids, put.shapes, [rid in p.rows for rid in put.ids])
             if put.overwrite:
                 for unit, chunk in put.chunks:
                     effects.publish.setdefault(unit, []).append(chunk)

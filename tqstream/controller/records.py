@@ -209,6 +209,7 @@ class PendingPut:
     # a put_fields by key: the rows it creates (committed with its fields, or removed with it)
     created: set[int] = dataclasses.field(default_factory=set)
     tags: list[Any] | None = None  # per row of ``ids``, tags merged in at the commit
+    shapes: dict[str, Any] | None = None  # the TransferQueue layer's record (RowShapes by field)
     keyed: bool = False  # a put_fields by key: its commit answers with the rows' metadata
     versions: tuple[list[int | None], list[int | None]] | None = None  # (starts, ends) per row
     overwrite: bool = False  # its chunks are published to the units at the commit

@@ -27,6 +27,7 @@ from tqstream.controller.admission import Admission, make_admission
 from tqstream.controller.partition import Partition
 from tqstream.controller.records import AdmissionRecord, Effects
 from tqstream.controller.rows import COMMITTED, VERSION_MAX, VERSION_MIN, Row
+from tqstream.controller.shapes import Shapes, ShapesEntry
 from tqstream.controller.state import ControllerState
 from tqstream.errors import AdmissionError, CheckpointCorruptError, CheckpointError
 from tqstream.types import FieldSchema
@@ -116,6 +117,7 @@ class PartitionEntry(msgspec.Struct, frozen=True):
     closes: int
     lost: int = 0
     replicas: int | None = None  # copies of each row; None: the controller's default
+    shapes: dict[str, ShapesEntry] = {}  # fields put through the TransferQueue layer
 
 
 class AdmissionEntry(msgspec.Struct, frozen=True):
@@ -265,6 +267,7 @@ def _partition(
         closes=p.closes,
         lost=p.lost,
         replicas=p.replicas,
+        shapes=p.shapes.save(committed) if p.shapes else {},
     )
 
 
@@ -513,6 +516,9 @@ def _build(
     p.produced, p.rejected, p.stale_dropped = e.produced, e.rejected, e.stale_dropped
     p.expired, p.freed, p.producers, p.closes = e.expired, e.freed, e.producers, e.closes
     p.lost, p.replicas = e.lost, e.replicas
+    if any(len(s.rows) != len(s.ids) for s in e.shapes.values() if s.rows is not None):
+        raise _corrupt(f"partition {e.name!r} has a field's row shapes of another length")
+    p.shapes = Shapes.load(e.shapes)
     return p, list(e.ttl_left)
 
 

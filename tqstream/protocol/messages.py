@@ -22,6 +22,7 @@ from tqstream.types import (
     Measure,
     OnStale,
     RowListing,
+    RowShapes,
     Scalar,
     SlotOutcome,
     Stats,
@@ -203,6 +204,7 @@ class PreparePut(_Msg, frozen=True, tag="prepare_put"):
     # units on the writer's host (it reaches their shared memory): placement prefers them
     near: list[Id] = []
     pair: Pair | None = None  # (PutRows only) the put goes to two units at once
+    shapes: dict[str, RowShapes] | None = None  # the TransferQueue layer's record of its fields
 
 
 class PrepareFields(_Msg, frozen=True, tag="prepare_fields"):
@@ -222,6 +224,7 @@ class PrepareFields(_Msg, frozen=True, tag="prepare_fields"):
     # per row, for rows that have no versions yet (created by this write, or without fields)
     version_start: list[int | None] | None = None
     version_end: list[int | None] | None = None
+    shapes: dict[str, RowShapes] | None = None  # as PreparePut.shapes
 
 
 class CommitPut(_Msg, frozen=True, tag="commit_put"):

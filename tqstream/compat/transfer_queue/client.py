@@ -34,7 +34,12 @@ from tqstream.client.admission import AdmissionHandle
 from tqstream.client.client import Client
 from tqstream.client.loop import LoopThread
 from tqstream.compat.transfer_queue.config import GET_TIMEOUT
-from tqstream.compat.transfer_queue.data import field_meta, from_tqstream, to_tqstream
+from tqstream.compat.transfer_queue.data import (
+    field_meta,
+    from_tqstream,
+    row_shapes,
+    to_tqstream,
+)
 from tqstream.compat.transfer_queue.errors import ForeignMetadataError, KeyNotFoundError
 from tqstream.compat.transfer_queue.metadata import BatchMeta
 from tqstream.errors import (
@@ -214,7 +219,9 @@ class AsyncTransferQueueClient:
             if partition_id is None:
                 raise InvalidRequestError("put needs metadata or a partition_id")
             n = data.batch_size[0] if data.batch_size else 0
-            meta = await self.client.async_put(to_tqstream(data), partition_id, version=version)
+            meta = await self.client.async_put(
+                to_tqstream(data), partition_id, version=version, shapes=row_shapes(data) or None
+            )
             return self._meta(meta, [1] * n).add_fields(data)
         if not metadata.size:
             raise InvalidRequestError("put got an empty BatchMeta: metadata cannot be empty")
@@ -233,7 +240,7 @@ class AsyncTransferQueueClient:
         tags = [dict(t) if t else None for t in metadata.custom_meta]
         await self.client.async_put_fields(
             rows, to_tqstream(data), overwrite=True, tags=tags if any(tags) else None,
-            version=version,
+            version=version, shapes=row_shapes(data) or None,
         )  # fmt: skip
         return metadata.add_fields(data)
 
@@ -327,7 +334,9 @@ class AsyncTransferQueueClient:
         return BatchMeta(
             global_indexes=list(meta.row_ids),
             partition_ids=[meta.partition] * n,
-            field_schema={f: field_meta(meta.schemas.get(f)) for f in meta.fields},
+            field_schema={
+                f: field_meta(meta.schemas.get(f), meta.shapes.get(f)) for f in meta.fields
+            },
             production_status=status,
             custom_meta=[dict(t) for t in meta.tags] if meta.tags else None,
             _custom_backend_meta=[{} for _ in range(n)],

@@ -23,9 +23,9 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from tqstream.errors import BatchShapeError, SchemaError
 from tqstream.protocol.columns import jagged
-from tqstream.types import FieldSchema
+from tqstream.types import FieldSchema, RowShapes
 
-__all__ = ["batch_size_of", "field_meta", "from_tqstream", "to_tqstream"]
+__all__ = ["batch_size_of", "field_meta", "from_tqstream", "row_shapes", "to_tqstream"]
 
 
 def batch_size_of(data: Any) -> int:
@@ -118,16 +118,41 @@ def from_tqstream(td: TensorDict) -> TensorDict:
     return TensorDict(out, batch_size=td.batch_size)
 
 
-def field_meta(schema: FieldSchema | None) -> dict[str, Any]:
+def field_meta(schema: FieldSchema | None, shapes: RowShapes | None = None) -> dict[str, Any]:
     """A field's schema as TransferQueue's metadata describes it (``dtype``, ``shape``,
-    ``is_nested``, ``is_non_tensor``). A ragged field is nested; its per-sample shapes are not
-    kept by the controller, so they are not listed."""
+    ``is_nested``, ``is_non_tensor`` and, nested, ``per_sample_shapes``). ``shapes``: the
+    controller's record of a field put through this layer (see :func:`row_shapes`); a ragged field
+    without one (put by a tqstream client) is nested, its per-sample shapes unlisted."""
     if schema is None:  # declared, never written
         return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": False}
     if schema.kind == "object":
         return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
     dtype = getattr(torch, schema.dtype)
+    if schema.kind == "ragged" and shapes is not None:
+        if shapes.nested:
+            return {"dtype": dtype, "shape": None, "is_nested": True, "is_non_tensor": False,
+                    "per_sample_shapes": list(shapes.rows or ())}  # fmt: skip
+        shape = torch.Size(shapes.shape or ())
+        return {"dtype": dtype, "shape": shape, "is_nested": False, "is_non_tensor": False}
     if schema.kind == "ragged":
         return {"dtype": dtype, "shape": None, "is_nested": True, "is_non_tensor": False}
     shape = torch.Size(schema.shape or (1,))  # one number per sample reads as [1]
     return {"dtype": dtype, "shape": shape, "is_nested": False, "is_non_tensor": False}
+
+
+def row_shapes(data: Any) -> dict[str, RowShapes]:
+    """What TransferQueue's controller records of a put's tensor fields of one or more dimensions
+    per sample (tqstream stores them ragged, see the module docstring): a regular ``[B, ...]``
+    tensor gives its samples' one shape, a nested tensor each sample's."""
+    items = data.items() if isinstance(data, (TensorDictBase, Mapping)) else ()
+    out: dict[str, RowShapes] = {}
+    for name, value in items:
+        if isinstance(value, np.ndarray) and value.dtype.kind not in "OUS":
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.is_nested:
+            out[name] = RowShapes(True, None, [tuple(row.shape) for row in value.unbind()])
+        elif value.ndim >= 2:
+            out[name] = RowShapes(False, tuple(value.shape[1:]))
+    return out

@@ -30,7 +30,12 @@ from tensordict import NonTensorStack, TensorDict
 
 from tqstream.compat.transfer_queue.client import TransferQueueClient, not_found
 from tqstream.compat.transfer_queue.config import merge, settings
-from tqstream.compat.transfer_queue.data import batch_size_of, from_tqstream, to_tqstream
+from tqstream.compat.transfer_queue.data import (
+    batch_size_of,
+    from_tqstream,
+    row_shapes,
+    to_tqstream,
+)
 from tqstream.compat.transfer_queue.deploy import Found, Started, find, start
 from tqstream.compat.transfer_queue.errors import NotInitializedError
 from tqstream.compat.transfer_queue.metadata import KVBatchMeta
@@ -230,15 +235,15 @@ async def async_kv_batch_put(
     if tags is not None and len(tags) != len(keys):
         raise ValueError(f"`keys` has {len(keys)} entries but `tags` has {len(tags)}")
     client = get_client()
-    data = None
+    data = shapes = None
     if fields is not None:
         if data_parser is not None:
             from tqstream.compat.transfer_queue.client import _parsed
 
             fields = _parsed(fields, data_parser)
-        data = to_tqstream(fields)
+        data, shapes = to_tqstream(fields), row_shapes(fields) or None
     meta = await client.client.async_put_by_keys(
-        partition_id, keys, data, tags=tags, version=version
+        partition_id, keys, data, tags=tags, version=version, shapes=shapes
     )
     tags_now: list[dict[str, Any]] = list(meta.tags) if meta.tags else [{} for _ in keys]
     return KVBatchMeta._issued(list(meta.keys), tags_now, partition_id, sorted(meta.fields))
