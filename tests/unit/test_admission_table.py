@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tqstream.controller.admission import make_admission
-from tqstream.controller.records import AdmissionRecord, AdmissionTable, WaitingAcquire
+from tqstream.controller.flow import AdmissionRecord, AdmissionTable, WaitingAcquire
 from tqstream.errors import AdmissionError
 from tqstream.protocol.messages import Acquire
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqstream.controller.records import Lease, LeaseTable
+from tqstream.controller.leases import Lease, LeaseTable
 
 
 def lease(lease_id: int, partition: str = "p", task: str = "t", owner: object = None) -> Lease:

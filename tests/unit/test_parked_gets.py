@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqstream.controller.records import Parked, ParkedGets
+from tqstream.controller.parked import Parked, ParkedGets
 from tqstream.protocol.messages import GetMeta
 
 

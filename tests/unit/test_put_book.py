@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqstream.controller.records import PendingPut, PutBook, WaitingPut
+from tqstream.controller.book import PendingPut, PutBook, WaitingPut
 from tqstream.protocol.messages import PreparePut
 
 

@@ -11,8 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tqstream.controller.records import version_of
 from tqstream.controller.state import ControllerState
+from tqstream.controller.window import version_of
 from tqstream.protocol.messages import GetMeta, PreparePut
 from tqstream.types import FieldSchema
 

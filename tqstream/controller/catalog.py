@@ -11,8 +11,9 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 
+from tqstream.controller.leases import LeaseTable
 from tqstream.controller.partition import Partition
-from tqstream.controller.records import Effects, Ids, LeaseTable
+from tqstream.controller.records import Effects, Ids
 from tqstream.controller.rows import SMALL, Row
 from tqstream.controller.units import UnitTable
 from tqstream.errors import InvalidRequestError, UnknownPartitionError, UnknownRowError

@@ -16,10 +16,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tqstream.controller.records import (
-    COMPACT_MIN,
-    DeadlineKind,
-)
+from tqstream.controller.records import COMPACT_MIN, DeadlineKind
 
 Entry = tuple[float, "DeadlineKind", Any]
 """A deadline, what it ends, and the id or record of the thing."""

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from tqstream.controller.book import PutBook
 from tqstream.controller.budget import Budgets
 from tqstream.controller.catalog import Catalog
+from tqstream.controller.flow import AdmissionTable
+from tqstream.controller.leases import LeaseTable
+from tqstream.controller.parked import ParkedGets
 from tqstream.controller.peers import peer_of
 from tqstream.controller.puts import Puts
-from tqstream.controller.records import (
-    AdmissionTable,
-    Effects,
-    Ids,
-    LeaseTable,
-    ParkedGets,
-    PutBook,
-)
+from tqstream.controller.records import Effects, Ids
 from tqstream.controller.units import UnitTable
 from tqstream.errors import UnitLostError
 

@@ -8,7 +8,8 @@ Storage byte quotas, the other half of flow control, wait with the puts (:mod:`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from tqstream.controller.admission import (
     Admission,
@@ -20,14 +21,104 @@ from tqstream.controller.budget import Budgets
 from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import (
-    AdmissionRecord,
-    AdmissionTable,
-    Effects,
-    WaitingAcquire,
-)
+from tqstream.controller.records import Effects
 from tqstream.errors import AdmissionError, InvalidRequestError, RequestTimeoutError
 from tqstream.protocol.messages import Acquire, BudgetReport, Slots
+
+
+class AdmissionRecord(NamedTuple):
+    """A producer admission: its policy object and the settings it was created with (creating it
+    again must give the same ones)."""
+
+    admission: Admission
+    style: str
+    config: dict[str, int]
+
+
+class WaitingAcquire(NamedTuple):
+    req: Acquire
+    since: float
+
+
+class AdmissionTable(Mapping[str, AdmissionRecord]):
+    """The producer admissions by name (a read-only mapping to :class:`AdmissionRecord`), the
+    acquires waiting for a slot, and which peer holds each granted slot (its slots go back when it
+    disconnects)."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, AdmissionRecord] = {}
+        self._waiting: dict[Any, WaitingAcquire] = {}  # by request handle, in arrival order
+        self._owners: dict[str, dict[int, Any]] = {}  # admission -> slot id -> peer
+
+    def __getitem__(self, name: str) -> AdmissionRecord:
+        return self._records[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def install(self, name: str, record: AdmissionRecord) -> None:
+        """Add admission ``name`` (or replace it: a checkpoint's, loaded)."""
+        self._records[name] = record
+
+    def admission(self, name: str) -> Admission:
+        """Admission ``name``'s policy; ``AdmissionError`` when there is none."""
+        record = self._records.get(name)
+        if record is None:
+            raise AdmissionError(
+                f"admission {name!r} does not exist; create it first with "
+                f"client.admission(style, name={name!r}, ...)",
+                name=name,
+            )
+        return record.admission
+
+    def states(self) -> dict[str, dict[str, int | float | str]]:
+        return {name: record.admission.state() for name, record in self._records.items()}
+
+    # --- acquires waiting for a slot ---
+    def park(self, handle: Any, waiting: WaitingAcquire) -> None:
+        self._waiting[handle] = waiting
+
+    def unpark(self, handle: Any) -> WaitingAcquire | None:
+        """Stop the wait of ``handle``'s acquire: how it waited, None when it does not wait."""
+        return self._waiting.pop(handle, None)
+
+    def parked(self, handle: Any) -> WaitingAcquire | None:
+        return self._waiting.get(handle)
+
+    def waiting(self, name: str | None = None) -> list[tuple[Any, WaitingAcquire]]:
+        """The waiting acquires (of admission ``name``) by handle, in arrival order (a copy)."""
+        return [(h, w) for h, w in self._waiting.items() if name is None or w.req.name == name]
+
+    # --- who holds the granted slots ---
+    def own(self, name: str, slot_ids: Sequence[int], peer: Any) -> None:
+        """``peer`` holds these slots of ``name`` (None: nobody to watch, e.g. in-process)."""
+        if peer is not None and slot_ids:
+            self._owners.setdefault(name, {}).update(dict.fromkeys(slot_ids, peer))
+
+    def disown(self, name: str, slot_ids: Sequence[int]) -> None:
+        """The slots were released."""
+        owners = self._owners.get(name)
+        if owners:
+            for s in slot_ids:
+                owners.pop(s, None)
+
+    def void(self, name: str) -> None:
+        """Every slot of ``name`` was voided (a version recovered): nobody holds any."""
+        self._owners.pop(name, None)
+
+    def take_peer(self, peer: Any) -> dict[str, list[int]]:
+        """The slots ``peer`` held, by admission, which nobody holds any more."""
+        out = {}
+        for name, owners in self._owners.items():
+            mine = [s for s, o in owners.items() if o == peer]
+            for s in mine:
+                del owners[s]
+            if mine:
+                out[name] = mine
+        return out
 
 
 class Flow:

@@ -15,23 +15,17 @@ from typing import Any
 
 import msgspec
 
+from tqstream.controller.book import PutBook
 from tqstream.controller.catalog import Catalog
 from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.flow import Flow
+from tqstream.controller.leases import Lease, LeaseTable
+from tqstream.controller.parked import Parked, ParkedGets
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import (
-    Effects,
-    Ids,
-    Lease,
-    LeaseTable,
-    Parked,
-    ParkedGets,
-    PutBook,
-    check_window,
-    version_of,
-)
+from tqstream.controller.records import Effects, Ids
 from tqstream.controller.rows import COMMITTED
+from tqstream.controller.window import check_window, version_of
 from tqstream.errors import (
     InvalidRequestError,
     LeaseError,

@@ -18,11 +18,12 @@ from typing import Any
 
 import msgspec
 
+from tqstream.controller.book import Half, PendingPut, PutBook, WaitingPut
 from tqstream.controller.catalog import Catalog
 from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
-from tqstream.controller.records import Effects, Half, Ids, PendingPut, PutBook, WaitingPut
+from tqstream.controller.records import Effects, Ids
 from tqstream.controller.rows import Row, check_versions
 from tqstream.controller.shapes import shapes_problem
 from tqstream.controller.units import UnitTable

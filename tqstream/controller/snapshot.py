@@ -24,8 +24,9 @@ from typing import Any
 import msgspec
 
 from tqstream.controller.admission import Admission, make_admission
+from tqstream.controller.flow import AdmissionRecord
 from tqstream.controller.partition import Partition
-from tqstream.controller.records import AdmissionRecord, Effects
+from tqstream.controller.records import Effects
 from tqstream.controller.rows import COMMITTED, VERSION_MAX, VERSION_MIN, Row
 from tqstream.controller.shapes import Shapes, ShapesEntry
 from tqstream.controller.state import ControllerState

@@ -30,24 +30,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from tqstream.controller.book import PutBook
 from tqstream.controller.budget import Budgets
 from tqstream.controller.catalog import Catalog
 from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.faults import Faults
-from tqstream.controller.flow import Flow
+from tqstream.controller.flow import AdmissionTable, Flow
 from tqstream.controller.gets import Gets
+from tqstream.controller.leases import LeaseTable
+from tqstream.controller.parked import Parked, ParkedGets
 from tqstream.controller.partition import Partition
 from tqstream.controller.puts import Puts
-from tqstream.controller.records import (
-    AdmissionTable,
-    DeadlineKind,
-    Effects,
-    Ids,
-    LeaseTable,
-    Parked,
-    ParkedGets,
-    PutBook,
-)
+from tqstream.controller.records import DeadlineKind, Effects, Ids
 from tqstream.controller.units import UnitTable
 from tqstream.errors import PartitionClearedError, TQStreamError
 from tqstream.protocol.messages import (
