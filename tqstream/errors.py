@@ -29,10 +29,15 @@ __all__ = [
     "ConnectError",
     "ConnectionLostError",
     "DuplicateKeyError",
+    "DurabilityWarning",
     "FieldExistsError",
     "GroupError",
     "InternalError",
     "InvalidRequestError",
+    "JournalClusterError",
+    "JournalCorruptError",
+    "JournalError",
+    "JournalVersionError",
     "KeyFileError",
     "LeaseError",
     "LeaseExpiredError",
@@ -366,3 +371,44 @@ class CheckpointVersionError(CheckpointCorruptError):
     """The checkpoint was written in a format version this tqstream does not read."""
 
     code = "checkpoint_version"
+
+
+# --- the controller's journal ---
+class JournalError(TQStreamError, RuntimeError):
+    """The controller's write-ahead journal cannot be opened or used: its directory is open in
+    another controller, a rebase is already under way, a record is too large to frame."""
+
+    code = "journal"
+
+
+class JournalCorruptError(JournalError, ValueError):
+    """A journal file is damaged before its end (a record that fails its CRC-32 with records
+    after it, records missing between two segments, a damaged snapshot) or is not a tqstream
+    journal file. A torn last record is not this: opening drops it and says how many bytes."""
+
+    code = "journal_corrupt"
+
+
+class JournalVersionError(JournalCorruptError):
+    """The journal was written in a format version this tqstream does not read (the message
+    names both)."""
+
+    code = "journal_version"
+
+
+class JournalClusterError(JournalError, ValueError):
+    """The journal belongs to another cluster than the controller opening it (the message names
+    both identities)."""
+
+    code = "journal_cluster"
+
+
+class DurabilityWarning(UserWarning):
+    """The journal could not write (disk full, an I/O error): the controller keeps serving, but
+    what it tells clients is not durable until a snapshot re-bases the journal. Not an error:
+    nothing is refused. ``details`` holds the reason and the journal's directory."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
