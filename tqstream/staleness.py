@@ -18,7 +18,14 @@ from typing import TypeGuard, cast, get_args
 from tqstream.errors import InvalidRequestError
 from tqstream.types import Measure, OnStale
 
-__all__ = ["MAX_VERSION", "StalenessPolicy", "check_version", "is_version"]
+__all__ = [
+    "MAX_VERSION",
+    "StalenessPolicy",
+    "capacity_bound",
+    "check_version",
+    "is_version",
+    "oldest_version",
+]
 
 MAX_VERSION = 2**31 - 1
 """The largest policy version (the controller keeps versions as 32-bit integers)."""
@@ -47,6 +54,19 @@ def check_version(value: object, name: str, *, optional: bool = True) -> int | N
             **{name: repr(value)},
         )
     return int(value)
+
+
+def oldest_version(current_version: int, max_staleness: int) -> int:
+    """The oldest policy version a trainer at ``current_version`` reads under ``max_staleness``:
+    a row of version ``v`` is inside the window while ``current_version - v <= max_staleness``."""
+    return current_version - max_staleness
+
+
+def capacity_bound(max_staleness: int, version: int, consumer_batch_size: int) -> int:
+    """AReaL's staleness bound on the rollouts accepted or running at ``version``: at most
+    ``max_staleness + 1`` batches beyond the ``version`` ones consumed,
+    ``(max_staleness + version + 1) * consumer_batch_size``."""
+    return (max_staleness + version + 1) * consumer_batch_size
 
 
 @dataclasses.dataclass(frozen=True, init=False)

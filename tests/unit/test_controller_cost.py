@@ -29,7 +29,7 @@ class NoScan(Rows):
 
 def forbid_scans(p: Partition) -> None:
     p.rows.__class__ = NoScan
-    p._ready_for = _refuse  # type: ignore[method-assign,assignment]
+    p.tasks._ready_for = _refuse  # type: ignore[method-assign,assignment]
 
 
 def test_requests_never_scan_the_partition() -> None:

@@ -236,7 +236,7 @@ class ControllerMachine(RuleBasedStateMachine):
 
     def group_order(self, req: GetMeta) -> dict[GroupKey, int]:
         p = self.s.partitions[req.partition]
-        return p.group_views[(req.task, p.mask_of(req.fields))].seq_of
+        return p.tasks.group_views[(req.task, p.mask_of(req.fields))].seq_of
 
     def whole_batch(self, part: MPart, req: GetMeta) -> list[int] | None:
         """Whole groups, exactly batch_size rows, the oldest possible: take each group, oldest
@@ -874,7 +874,7 @@ class ControllerMachine(RuleBasedStateMachine):
             def fields_of(mask: int, p: Any = p) -> list[str]:
                 return [f for f, bit in p.bits.items() if mask & bit]
 
-            for (task, mask), v in p.views.items():
+            for (task, mask), v in p.tasks.views.items():
                 fields = fields_of(mask)
                 expected = part.ready(task, fields)
                 got = list(v.rows())
@@ -887,7 +887,7 @@ class ControllerMachine(RuleBasedStateMachine):
                 assert set(v.entered()) <= set(part.rows), "a view remembers a removed row"
                 order = sorted(expected, key=lambda rid: part.ready_time(rid, fields))
                 assert got == order, f"view ({task!r}, {fields}) order {got}, expected {order}"
-            for (task, mask), gv in p.group_views.items():
+            for (task, mask), gv in p.tasks.group_views.items():
                 fields = fields_of(mask)
                 groups = part.complete_groups(task, fields)
                 assert set(gv.ready.values()) == set(groups), (

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from tqstream.errors import AdmissionError
-from tqstream.staleness import MAX_VERSION, is_version
+from tqstream.staleness import MAX_VERSION, capacity_bound, is_version
 from tqstream.types import AdmissionStyle, check_outcome, check_style
 
 
@@ -221,7 +221,7 @@ class CapacityAdmission(_Slots):
         """AReaL's get_capacity; may be negative after ``on_rollout_submitted`` over capacity."""
         v = _version(version)
         concurrency = self.max_concurrent - self.running
-        bound = (self.max_staleness + v + 1) * self.consumer_batch_size
+        bound = capacity_bound(self.max_staleness, v, self.consumer_batch_size)
         return min(concurrency, bound - (self.accepted + self.running))
 
     def try_acquire(self, n: int, version: int) -> list[int]:

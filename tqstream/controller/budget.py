@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any
 
 from tqstream.errors import AdmissionError
+from tqstream.staleness import capacity_bound
 
 COUNTS = ("enqueued", "running", "accepted", "rejected")
 """AReaL's ``RolloutStat`` counters, as members report them."""
@@ -71,7 +72,7 @@ class Budget:
         self.version = max(self.version, version)
         running = self.sums[1]
         concurrency = self.max_concurrent - running
-        bound = (self.max_staleness + version + 1) * self.consumer_batch_size
+        bound = capacity_bound(self.max_staleness, version, self.consumer_batch_size)
         return min(concurrency, bound - (self.accepted + running))
 
     def join(self, key: int, peer: Any, max_concurrent: int, consumer_batch_size: int) -> Member:

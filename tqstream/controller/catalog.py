@@ -3,15 +3,15 @@
 A :class:`Catalog` owns the partitions (each :class:`~tqstream.controller.partition.Partition`
 owns its rows) and the first row id a re-created partition of a name starts at, so that row ids
 are never reused under a name. Evicting rows removes them for every task, uncounts their bytes on
-their units, forgets them in the leases that held them, and orders their storage freed.
+their units, has the leases that held them forget them (``on_evict``), and orders their storage
+freed.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from tqstream.controller.leases import LeaseTable
 from tqstream.controller.partition import Partition
 from tqstream.controller.records import Effects, Ids
 from tqstream.controller.rows import SMALL, Row
@@ -22,9 +22,11 @@ from tqstream.types import BatchMeta
 
 
 class Catalog:
-    def __init__(self, units: UnitTable, leases: LeaseTable, ids: Ids, replicas: int) -> None:
+    def __init__(self, units: UnitTable, ids: Ids, replicas: int) -> None:
         self.units = units
-        self.leases = leases
+        # called with (partition, row ids) of rows evicted: the owners of what names rows (the
+        # leases) forget them
+        self.on_evict: list[Callable[[str, set[int]], None]] = []
         self.ids = ids
         self.replicas = replicas  # copies of each row, for partitions that do not say
         self.partitions: dict[str, Partition] = {}
@@ -117,9 +119,55 @@ class Catalog:
         if order:
             for u, ids in holds.items():
                 effects.drop_rows.setdefault(u, {}).setdefault(p.name, []).extend(ids)
-        self.leases.forget_rows(p.name, set(removed))
+        gone = set(removed)
+        for forget in self.on_evict:
+            forget(p.name, gone)
         effects.room = True
         return removed
+
+    def clear(self, name: str, effects: Effects) -> bool:
+        """Partition ``name`` goes with its rows (False: there is none). Its units drop its
+        chunks; the other owners let go of what names it (``ControllerState.clear_partition``)."""
+        p = self.partitions.pop(name, None)
+        if p is None:
+            return False
+        for u, nbytes in p.rows.on_units(p.rows.ids())[0].items():
+            self.units.bytes[u] -= nbytes
+        # A put to a re-created partition of this name can reach a unit before this order: scope
+        # the drop to older chunks, and never reuse row ids under the name (see create).
+        effects.drop_partitions.append((name, next(self.ids)))
+        self.next_rows[name] = p.next_row
+        effects.room = True
+        return True
+
+    def install(self, p: Partition) -> None:
+        """Add partition ``p`` as a checkpoint saved it (its name free): its bytes count on the
+        units holding its rows."""
+        assert p.name not in self.partitions
+        self.partitions[p.name] = p
+        for u, nbytes in p.rows.on_units(p.rows.ids())[0].items():
+            self.units.bytes[u] += nbytes
+
+    def reserve_rows(self, next_rows: dict[str, int]) -> None:
+        """Row ids below ``next_rows[name]`` were used under ``name``: never hand them out again."""
+        for name, first in next_rows.items():
+            self.next_rows[name] = max(self.next_rows.get(name, 0), first)
+
+    def lose_unit(self, u: int, effects: Effects) -> None:
+        """Unit ``u`` is gone: the rows it alone held are removed for every task, counted lost
+        per partition and per task (a task that had acked a row does not count it)."""
+        for p in list(self.partitions.values()):
+            gone = p.rows.lose_unit(u)
+            if not gone:
+                continue
+            for name in {*p.tasks, *p.registered}:
+                t = p.tasks.task(name)
+                t.lost += sum(1 for rid in gone if rid not in t.acked)
+            removed = self.evict(p, gone, effects, order=False)
+            p.lost += len(removed)
+            self.units.lost_rows[u] += len(removed)
+            if p.closed:  # parked gets may now learn that the partition is drained
+                effects.touched.add(p.name)
 
     @staticmethod
     def rows(p: Partition, row_ids: list[int]) -> list[Row]:

@@ -122,12 +122,27 @@ class AdmissionTable(Mapping[str, AdmissionRecord]):
 
 
 class Flow:
-    def __init__(
-        self, admissions: AdmissionTable, budgets: Budgets, deadlines: DeadlineHeap
-    ) -> None:
-        self.admissions = admissions
-        self.budgets = budgets  # StalenessManagers' pooled budgets
+    def __init__(self, deadlines: DeadlineHeap) -> None:
+        self.admissions = AdmissionTable()  # owned here: changed by this class only
+        self.budgets = Budgets()  # StalenessManagers' pooled budgets
         self.deadlines = deadlines
+
+    def install(self, name: str, record: AdmissionRecord) -> None:
+        """Add admission ``name`` as a checkpoint saved it (or replace it)."""
+        self.admissions.install(name, record)
+
+    def drop_peer(self, peer: Any, effects: Effects) -> None:
+        """The producer ``peer`` went away: its waiting acquires are forgotten, its slots released
+        as rejected (capacity comes back) and its StalenessManagers leave their budgets (their
+        running rollouts come back)."""
+        for handle, _ in self.admissions.waiting():
+            if peer_of(handle) == peer:
+                self.admissions.unpark(handle)
+        for name, mine in self.admissions.take_peer(peer).items():
+            if name in self.admissions:
+                self.admissions[name].admission.release(mine, "rejected")
+                effects.woken.add(name)
+        self.budgets.drop_peer(peer)
 
     def create_admission(self, name: str, style: str, config: dict[str, int]) -> None:
         """Create admission ``name``; creating it again with the same settings is a no-op, so

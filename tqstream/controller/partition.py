@@ -1,26 +1,26 @@
-"""One partition's metadata: schemas, the production matrix, groups and per-task consumption.
+"""One partition's metadata: schemas, the production matrix, keys and groups.
 
 Pure state, no I/O. Rows are created *pending* by a prepared put (keys and group slots reserved,
 invisible to readers) and become visible at commit; ``written`` is the row's bitmask of committed
 fields (the production matrix), ``pending`` the bits of an in-flight ``put_fields``.
 
-The rows themselves are columns (``rows.py``). Per task a committed row is *available*,
-*leased* (``TaskState.leased``: row -> lease, the rows of live leases only) or *acked* (a byte per
-row, ``TaskState.acked``). Every transition goes through :meth:`Partition.lease`, :meth:`ack`,
-:meth:`release`, :meth:`commit_rows`, :meth:`commit_fields` and :meth:`remove_rows`, which keep
-every view (see ``views.py``) exact, so selection never rescans.
+The rows themselves are columns (``rows.py``); who consumed them is ``Partition.tasks``
+(``consumption.py``), which :meth:`Partition.commit_rows`, :meth:`~Partition.commit_fields`,
+:meth:`~Partition.remove_rows` and :meth:`~Partition.trim` tell of every change of the rows, so
+its views stay exact and selection never rescans.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence, Set
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from tqstream.controller.consumption import Consumption
 from tqstream.controller.rows import COMMITTED, NO_VERSION, SMALL, Row, Rows
 from tqstream.controller.shapes import Shapes
-from tqstream.controller.views import GroupKey, GroupView, ReadyView
+from tqstream.controller.views import GroupKey
 from tqstream.errors import (
     DuplicateKeyError,
     GroupError,
@@ -28,7 +28,7 @@ from tqstream.errors import (
     UnknownFieldError,
     UnknownKeyError,
 )
-from tqstream.types import FieldSchema, TaskStats
+from tqstream.types import FieldSchema
 
 TRIM_MIN = 4096
 """The columns drop their leading holes once there are this many and they are the larger half."""
@@ -42,97 +42,6 @@ class Group:
         self.number = number  # its number in the rows' group column
         self.fields = fields  # what its first put wrote; every member is put with the same
         self.members: list[int] = []
-
-
-class Acked(Set[int]):
-    """The rows a task acked (and that live): a byte per row of the partition."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, t: TaskState) -> None:
-        self.t = t
-
-    @classmethod
-    def _from_iterable(cls, it: Iterable[int]) -> set[int]:  # type: ignore[override]
-        return set(it)
-
-    def __contains__(self, rid: object) -> bool:
-        t = self.t
-        i = rid - t.base  # type: ignore[operator]
-        return 0 <= i < len(t.marks) and t.marks[i] != 0
-
-    def __iter__(self) -> Iterator[int]:
-        t = self.t
-        return iter((np.flatnonzero(np.frombuffer(t.marks, np.uint8)) + t.base).tolist())
-
-    def __len__(self) -> int:
-        return self.t.n_acked
-
-
-class TaskState:
-    __slots__ = ("base", "consumed", "lag", "leased", "lost", "marks", "n_acked",
-                 "stale_dropped", "tokens_masked")  # fmt: skip
-
-    def __init__(self, base: int = 0) -> None:
-        self.leased: dict[int, int] = {}  # row -> lease id
-        self.base = base  # the row id of marks[0] (the partition's rows' base)
-        self.marks = bytearray()  # row - base -> 1: acked
-        self.n_acked = 0
-        self.consumed = 0  # rows acked, ever (acked rows leave ``acked`` once freed)
-        self.stale_dropped = 0
-        self.lost = 0  # rows lost with a storage unit before this task acked them
-        self.lag: dict[int, int] = {}  # version lag at ack -> rows
-        self.tokens_masked = 0  # generated tokens acked outside a token-measure window
-
-    @property
-    def acked(self) -> Acked:
-        return Acked(self)
-
-    def is_acked(self, rid: int) -> bool:
-        i = rid - self.base
-        return 0 <= i < len(self.marks) and self.marks[i] != 0
-
-    def extend_marks(self, rid: int) -> None:
-        """Row ``rid`` has a mark."""
-        n = rid - self.base + 1 - len(self.marks)
-        if n > 0:
-            self.marks.extend(bytes(n))
-
-    def mark_acked(self, rid: int) -> None:
-        i = rid - self.base
-        self.extend_marks(rid)
-        if not self.marks[i]:
-            self.marks[i] = 1
-            self.n_acked += 1
-
-    def unmark(self, rid: int) -> None:
-        i = rid - self.base
-        if 0 <= i < len(self.marks) and self.marks[i]:
-            self.marks[i] = 0
-            self.n_acked -= 1
-
-    def unmark_all(self, ids: np.ndarray) -> None:
-        """The rows ``ids`` (live) are gone."""
-        idx = ids - self.base
-        idx = idx[(idx >= 0) & (idx < len(self.marks))]
-        marks = np.frombuffer(self.marks, np.uint8)
-        self.n_acked -= int(np.count_nonzero(marks[idx]))
-        marks[idx] = 0
-
-    def set_acked(self, rows: Iterable[int]) -> None:
-        self.marks = bytearray()
-        self.n_acked = 0
-        for rid in rows:
-            self.mark_acked(rid)
-
-    def clear(self) -> None:
-        self.leased.clear()
-        self.marks = bytearray()
-        self.n_acked = 0
-
-    def trim(self, k: int) -> None:
-        del self.marks[:k]
-        self.base += k
 
 
 class Partition:
@@ -151,9 +60,7 @@ class Partition:
         self._taken: set[int] = set()  # rows to come whose generated name a user key took
         self.groups: dict[str, Group] = {}
         self._group_number = 0
-        self.tasks: dict[str, TaskState] = {}
-        self.views: dict[tuple[str, int], ReadyView] = {}
-        self.group_views: dict[tuple[str, int], GroupView] = {}
+        self.tasks = Consumption(self)  # who consumed what, and the views of what is ready
         self.seq = 0
         self.committed = 0
         self.born = 0  # set by the controller: the id counter's value at creation
@@ -163,7 +70,6 @@ class Partition:
         self.produced = self.rejected = self.stale_dropped = self.expired = self.freed = 0
         self.lost = 0  # rows lost with a storage unit that held their only copy
         self.replicas: int | None = None  # copies of each row; None: the controller's default
-        self.stale_seen: list[int] = []  # filled by select() under a staleness window
         self.producers = 1  # close_partition calls that close it
         self.closes = 0
         self.shapes = Shapes()  # fields put through the TransferQueue layer: their rows' shapes
@@ -176,7 +82,7 @@ class Partition:
     @next_row.setter
     def next_row(self, first: int) -> None:
         """Only before any row, task or view (a partition re-created, or restored)."""
-        assert not self.tasks and not self.views and not self.group_views
+        assert not self.tasks
         self.rows.skip_to(first)
 
     @property
@@ -448,15 +354,7 @@ class Partition:
                 rows.written[i] = mask
                 rows.seq[i] = seq
         self.count_written(mask, n)
-        seqs = range(first, first + n)
-        for (_, vmask), v in self.views.items():
-            if mask & vmask == vmask:
-                v.add_new(ids, seqs)
-        for (_, vmask), gv in self.group_views.items():
-            if mask & vmask == vmask:
-                for rid, seq in zip(ids, seqs, strict=True):
-                    key, size = self._group_of(rid)
-                    gv.add(key, size, seq)
+        self.tasks.rows_committed(ids, range(first, first + n), mask)
 
     def commit_fields(self, rows: Iterable[Row], mask: int) -> None:
         added: dict[int, int] = {}  # fields newly written -> rows (counted once per kind)
@@ -483,13 +381,7 @@ class Partition:
         rows.seq[i] = seq = self.seq
         if writes is not None:
             writes.append((mask, seq))
-        for (task, vmask), v in self.views.items():
-            if (old & vmask) != vmask and (new & vmask) == vmask and self.available(rid, task):
-                v.add(rid, seq)
-        for (task, vmask), gv in self.group_views.items():
-            if (old & vmask) != vmask and (new & vmask) == vmask and self.available(rid, task):
-                key, size = self._group_of(rid)
-                gv.add(key, size, seq)
+        self.tasks.row_written(rid, old, new, seq)
 
     def count_written(self, mask: int, n: int) -> None:
         """``n`` more (fewer, when negative) committed rows have the fields of ``mask``."""
@@ -499,15 +391,7 @@ class Partition:
                 if n > 0:
                     self.provisional.discard(name)
 
-    def available(self, r: Row | int, task: str) -> bool:
-        """Whether ``task`` may still be served row ``r`` (neither leased nor acked by it)."""
-        t = self.tasks.get(task)
-        if t is None:
-            return True
-        rid = r if isinstance(r, int) else r.id
-        return rid not in t.leased and not t.is_acked(rid)
-
-    def _ready_seq(self, rid: int, mask: int) -> int:
+    def ready_seq(self, rid: int, mask: int) -> int:
         """When row ``rid`` became ready for ``mask``: the write of the last of its fields
         (later writes of other fields do not move it)."""
         writes = self.rows.writes.get(rid)
@@ -524,16 +408,16 @@ class Partition:
         written = r.written
         return [(written, r.ready_seq)] if written else []
 
-    def _group_seq(self, rid: int, mask: int) -> int:
+    def group_seq(self, rid: int, mask: int) -> int:
         """When the group of row ``rid`` (all of its members available) became ready for
         ``mask``."""
         g = self.rows.group[rid - self.rows.base]
         if g < 0:
-            return self._ready_seq(rid, mask)
+            return self.ready_seq(rid, mask)
         members = self.groups[self.rows.group_names[g]].members
-        return max(self._ready_seq(m, mask) for m in members)
+        return max(self.ready_seq(m, mask) for m in members)
 
-    def _group_of(self, rid: int) -> tuple[GroupKey, int]:
+    def group_of(self, rid: int) -> tuple[GroupKey, int]:
         g = self.rows.group[rid - self.rows.base]
         if g < 0:
             return rid, 1
@@ -570,21 +454,8 @@ class Partition:
         if rows.named:
             for rid in rows.named.keys() & set(ids):
                 del self._named[rows.named[rid]]
-        if self.group_views:
-            written = rows.written
-            for (task, vmask), gv in self.group_views.items():
-                for i in committed.tolist():
-                    if (written[i] & vmask) == vmask and self.available(i + base, task):
-                        gkey, size = self._group_of(i + base)
-                        gv.remove(gkey, size)
-        for v in self.views.values():
-            v.forget(idx + base)
-        for t in self.tasks.values():
-            if t.leased:
-                for rid in t.leased.keys() & set(ids):
-                    del t.leased[rid]
-            if t.n_acked:
-                t.unmark_all(idx + base)
+        self.tasks.rows_leaving(committed + base)
+        self.tasks.rows_removed(ids, idx + base)
         if rows.group_names:
             names = rows.group_names
             groups = np.frombuffer(rows.group, np.int32)[idx]
@@ -595,13 +466,11 @@ class Partition:
                 if not grp.members:
                     del self.groups[name]
                     del names[g]
-                    for gv in self.group_views.values():
-                        gv.forget(name)
-        if self.group_views:
+                    self.tasks.group_gone(name)
+        if self.tasks.group_views:
             groups = np.frombuffer(rows.group, np.int32)[idx]
             for rid in (idx[groups < 0] + base).tolist():
-                for gv in self.group_views.values():
-                    gv.forget(rid)
+                self.tasks.group_gone(rid)
         rows.remove_all(idx)
         if self.shapes:
             self.shapes.forget(ids)
@@ -615,15 +484,11 @@ class Partition:
         if not ids:
             return ids
         counts: dict[int, int] = {}  # fields mask of committed rows -> how many
-        for rid in ids:
-            i = rid - base
-            if state[i] == COMMITTED:
-                w = written[i]
-                counts[w] = counts.get(w, 0) + 1
-                for (task, vmask), gv in self.group_views.items():
-                    if (written[i] & vmask) == vmask and self.available(rid, task):
-                        gkey, size = self._group_of(rid)
-                        gv.remove(gkey, size)
+        committed = [rid for rid in ids if state[rid - base] == COMMITTED]
+        for rid in committed:
+            w = written[rid - base]
+            counts[w] = counts.get(w, 0) + 1
+        self.tasks.rows_leaving(committed)
         if rows.named:
             for rid in ids:
                 key = rows.named.get(rid)
@@ -632,19 +497,7 @@ class Partition:
         for mask, n in counts.items():
             self.committed -= n
             self.count_written(mask, -n)
-        for v in self.views.values():
-            v.forget(ids)
-        for t in self.tasks.values():
-            if t.leased:
-                for rid in ids:
-                    t.leased.pop(rid, None)
-            if t.n_acked:
-                marks, tb, tn = t.marks, t.base, len(t.marks)
-                for rid in ids:
-                    i = rid - tb
-                    if 0 <= i < tn and marks[i]:
-                        marks[i] = 0
-                        t.n_acked -= 1
+        self.tasks.rows_removed(ids)
         group, names = rows.group, rows.group_names
         for rid in ids:
             g = group[rid - base] if names else -1
@@ -655,11 +508,9 @@ class Partition:
                 if not grp.members:
                     del self.groups[name]
                     del names[g]
-                    for gv in self.group_views.values():
-                        gv.forget(name)
-            else:
-                for gv in self.group_views.values():
-                    gv.forget(rid)
+                    self.tasks.group_gone(name)
+            elif self.tasks.group_views:
+                self.tasks.group_gone(rid)
         rows.remove_few(ids)
         if self.shapes:
             self.shapes.forget(ids)
@@ -672,284 +523,4 @@ class Partition:
         if k < TRIM_MIN or 2 * k < len(rows.state):
             return
         rows.trim(k)
-        base = rows.base
-        for t in self.tasks.values():
-            t.trim(min(base - t.base, len(t.marks))) if base > t.base else None
-            t.base = max(t.base, base)
-        for v in self.views.values():
-            if base > v.base:
-                v.trim(base - v.base)
-
-    # --- consumption ---
-    def task(self, name: str) -> TaskState:
-        t = self.tasks.get(name)
-        if t is None:
-            t = self.tasks[name] = TaskState(self.rows.base)
-        return t
-
-    def lease(self, task: str, rows: Sequence[int], lease_id: int) -> None:
-        t = self.task(task)
-        for (vtask, _), v in self.views.items():
-            if vtask == task:
-                v.remove(rows)
-        written, base = self.rows.written, self.rows.base
-        for (vtask, vmask), gv in self.group_views.items():
-            if vtask == task:
-                for rid in rows:
-                    if (written[rid - base] & vmask) == vmask:
-                        key, size = self._group_of(rid)
-                        gv.remove(key, size)
-        t.leased.update(dict.fromkeys(rows, lease_id))
-
-    def ack(self, task: str, rows: Iterable[int]) -> int:
-        t = self.task(task)
-        acked = [rid for rid in rows if t.leased.pop(rid, None) is not None]
-        if acked:
-            t.extend_marks(max(acked))
-            marks, base = t.marks, t.base
-            for rid in acked:
-                marks[rid - base] = 1
-            t.n_acked += len(acked)  # (a leased row is not acked yet)
-            t.consumed += len(acked)
-        return len(acked)
-
-    def reset(self, task: str) -> int:
-        """Every row ``task`` leased or acked is available to it again (its views are rebuilt by
-        the next request that needs them: one scan). Returns how many rows that was."""
-        t = self.tasks.get(task)
-        if t is None:
-            return 0
-        n = len(t.leased) + t.n_acked
-        t.clear()
-        t.base = self.rows.base
-        for key in [k for k in self.views if k[0] == task]:
-            del self.views[key]
-        for key in [k for k in self.group_views if k[0] == task]:
-            del self.group_views[key]
-        return n
-
-    def release(self, task: str, rows: Iterable[int]) -> int:
-        t = self.task(task)
-        n = 0
-        for rid in rows:
-            if t.leased.pop(rid, None) is not None:
-                self._now_available(rid, task)
-                n += 1
-        return n
-
-    def _now_available(self, rid: int, task: str) -> None:
-        written = self.rows.written[rid - self.rows.base]
-        for (vtask, vmask), v in self.views.items():
-            if vtask == task and (written & vmask) == vmask:
-                v.add(rid, self._ready_seq(rid, vmask))
-        for (vtask, vmask), gv in self.group_views.items():
-            if vtask == task and (written & vmask) == vmask:
-                key, size = self._group_of(rid)
-                completes = gv.count.get(key, 0) + 1 == size and key not in gv.seq_of
-                seq = (
-                    self._group_seq(rid, vmask)
-                    if completes
-                    else self.rows.seq[rid - self.rows.base]
-                )
-                gv.add(key, size, seq)
-
-    # --- selection ---
-    def _ready_for(self, task: str, mask: int) -> tuple[np.ndarray, np.ndarray]:
-        """One-time scan used to build a new view: the committed rows ready for ``mask`` and
-        available to ``task``, and when each became ready for it, ordered by that."""
-        rows = self.rows
-        if isinstance(rows.written, array):
-            state = np.frombuffer(rows.state, np.uint8)
-            written = np.frombuffer(rows.written, np.uint64)
-            ok = (state == COMMITTED) & ((written & np.uint64(mask)) == np.uint64(mask))
-            t = self.tasks.get(task)
-            if t is not None and t.marks:
-                marks = np.frombuffer(t.marks, np.uint8)
-                k = t.base - rows.base  # (the task's marks start at or after the rows' base)
-                ok[k : k + len(marks)] &= marks[: max(len(ok) - k, 0)] == 0
-            idx = np.flatnonzero(ok)
-            seqs = np.frombuffer(rows.seq, np.int64)[idx]
-            ids = idx + rows.base
-            if t is not None and t.leased:
-                keep = ~np.isin(ids, np.fromiter(t.leased, np.int64, len(t.leased)))
-                ids, seqs = ids[keep], seqs[keep]
-            if rows.writes:  # rows written more than once: ready when the mask's last field was
-                for j in np.flatnonzero(np.isin(ids, np.fromiter(rows.writes, np.int64))):
-                    seqs[j] = self._ready_seq(int(ids[j]), mask)
-            if len(seqs) > 1 and not (seqs[1:] >= seqs[:-1]).all():
-                order = np.argsort(seqs, kind="stable")
-                ids, seqs = ids[order], seqs[order]
-            return ids, seqs
-        pairs = sorted(
-            (self._ready_seq(rid, mask), rid)
-            for rid in rows.ids(COMMITTED)
-            if (rows.written[rid - rows.base] & mask) == mask and self.available(rid, task)
-        )
-        return (
-            np.array([rid for _, rid in pairs], np.int64),
-            np.array([seq for seq, _ in pairs], np.int64),
-        )
-
-    def view(self, task: str, mask: int) -> ReadyView:
-        v = self.views.get((task, mask))
-        if v is None:
-            self.task(task)
-            v = self.views[(task, mask)] = ReadyView(task, mask, self.rows.base)
-            v.add_new(*self._ready_for(task, mask))  # one bulk update
-        return v
-
-    def group_view(self, task: str, mask: int) -> GroupView:
-        gv = self.group_views.get((task, mask))
-        if gv is None:
-            self.task(task)
-            gv = self.group_views[(task, mask)] = GroupView(task, mask)
-            ids, seqs = self._ready_for(task, mask)
-            gv.add_new(
-                (*self._group_of(rid), seq)
-                for rid, seq in zip(ids.tolist(), seqs.tolist(), strict=True)
-            )
-        return gv
-
-    def select(
-        self,
-        task: str,
-        mask: int,
-        batch_size: int,
-        whole_groups: bool,
-        fresh: Callable[[int], bool] | None = None,
-    ) -> list[int] | None:
-        """The oldest ``batch_size`` servable rows, or None when there are not enough yet.
-
-        With a staleness window, ``fresh`` says whether a row is inside it; rows (whole groups:
-        groups with a member) outside it are skipped and listed in ``self.stale_seen`` for the
-        caller to evict or keep. Skipping costs one step per stale row at the head of the order,
-        so ``on_stale="drop"`` keeps requests O(batch) while ``"keep"`` pays for what it keeps.
-        """
-        self.stale_seen = []
-        if not whole_groups:
-            v = self.view(task, mask)
-            if len(v) < batch_size:
-                return None
-            if fresh is None:
-                return v.oldest(batch_size)
-            rows: list[int] = []
-            for rid in v.rows():
-                if fresh(rid):
-                    rows.append(rid)
-                    if len(rows) == batch_size:
-                        return rows
-                else:
-                    self.stale_seen.append(rid)
-            return None
-        gv = self.group_view(task, mask)
-        if gv.ready_rows < batch_size:
-            return None
-        picked: list[int] = []
-        keys: list[GroupKey] = []
-        for key in gv.oldest():
-            members = self.group_members(key)
-            if fresh is not None and not all(fresh(m) for m in members):
-                self.stale_seen.extend(members)
-                continue
-            keys.append(key)
-            if len(picked) + len(members) <= batch_size:
-                picked.extend(members)
-                if len(picked) == batch_size:
-                    return picked
-        # Taking every older group that fits can dead-end (a singleton, then only pairs, for 2
-        # rows). Take the oldest groups that still leave a way to exactly batch_size rows: the
-        # same batch whenever the loop above succeeds, and a batch whenever one exists.
-        sizes = [1 if isinstance(k, int) else self.groups[k].size for k in keys]
-        full = (1 << (batch_size + 1)) - 1
-        reach = [1] * (len(keys) + 1)  # bit n of reach[i]: groups i.. can make exactly n rows
-        for i in range(len(keys) - 1, -1, -1):
-            reach[i] = (reach[i + 1] | reach[i + 1] << sizes[i]) & full
-        if not reach[0] >> batch_size & 1:
-            return None
-        picked, need = [], batch_size
-        for i, key in enumerate(keys):
-            if sizes[i] <= need and reach[i + 1] >> (need - sizes[i]) & 1:
-                picked.extend(self.group_members(key))
-                need -= sizes[i]
-                if need == 0:
-                    break
-        return picked
-
-    def select_rest(
-        self, task: str, mask: int, batch_size: int, whole_groups: bool,
-        fresh: Callable[[int], bool] | None = None,
-    ) -> list[int]:  # fmt: skip
-        """The oldest servable rows, up to ``batch_size`` (possibly none): the last, short batch
-        of a closed partition. Whole groups only with ``whole_groups``: an incomplete group of a
-        closed partition can never be served."""
-        if not whole_groups:
-            v = self.view(task, mask)
-            return [rid for rid in v.rows() if fresh is None or fresh(rid)][:batch_size]
-        picked: list[int] = []
-        for key in self.group_view(task, mask).oldest():
-            members = self.group_members(key)
-            if fresh is not None and not all(fresh(m) for m in members):
-                continue
-            if len(picked) + len(members) <= batch_size:
-                picked.extend(members)
-        return picked
-
-    def may_serve_more(self, task: str, mask: int) -> bool:
-        """Whether rows the task has not consumed could still become servable: rows leased to
-        it (a lease may come back) or committed rows it has not consumed that lack some of the
-        requested fields (``put_fields`` may add them). A scan: only for closed partitions."""
-        t = self.task(task)
-        if t.leased:
-            return True
-        rows = self.rows
-        return any(
-            (rows.written[rid - rows.base] & mask) != mask and not t.is_acked(rid)
-            for rid in rows.ids(COMMITTED)
-        )
-
-    # --- reporting ---
-    def task_stats(self) -> dict[str, TaskStats]:
-        out = {}
-        for name, t in self.tasks.items():
-            out[name] = TaskStats(
-                available=self.committed - len(t.leased) - t.n_acked,
-                leased=len(t.leased),
-                acked=t.n_acked,
-                stale_dropped=t.stale_dropped,
-                lag=dict(sorted(t.lag.items())),
-                lost=t.lost,
-                consumed=t.consumed,
-                tokens_masked=t.tokens_masked,
-            )
-        return out
-
-    def shortage(
-        self, task: str, fields: Sequence[str], batch_size: int, whole_groups: bool
-    ) -> str:
-        """Why a request for ``batch_size`` rows cannot be served (a scan: error path only)."""
-        t = self.tasks.get(task) or TaskState()
-        avail = [r for r in self.rows.values(COMMITTED) if self.available(r, task)]
-        missing: dict[str, int] = {}
-        ready = 0
-        for r in avail:
-            lacking = [f for f in fields if not r.written & self.bits[f]]
-            for f in lacking:
-                missing[f] = missing.get(f, 0) + 1
-            ready += not lacking
-        parts = [f"{ready} of {batch_size} rows ready"]
-        for f in fields:
-            if missing.get(f):
-                parts.append(f"field {f!r} not written for {missing[f]} available rows")
-        pending = len(self.rows) - self.committed
-        if pending:
-            parts.append(f"{pending} rows still being put")
-        if t.leased:
-            parts.append(f"{len(t.leased)} rows leased to {task!r} and not yet acked")
-        if t.n_acked:
-            parts.append(f"{t.n_acked} rows already consumed by {task!r}")
-        if whole_groups:
-            gv = self.group_views.get((task, self.mask_of(fields)))
-            groups = len(gv.ready) if gv is not None else 0
-            rows = gv.ready_rows if gv is not None else 0
-            parts.append(f"whole_groups: {groups} complete groups ready ({rows} rows)")
-        return "; ".join(parts)
+        self.tasks.trim(rows.base)

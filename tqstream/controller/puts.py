@@ -8,7 +8,8 @@ removes the reservation and orders the units to drop whatever chunks arrived, so
 leaves neither rows nor bytes.
 
 Puts that do not fit the units' byte quotas wait (``PutBook``'s waiting puts) and are retried, in
-arrival order, whenever room is freed (``Effects.room``).
+arrival order, whenever room is freed (``Effects.room``). The put book is this module's: a put
+opens, ends and waits here only; the checks of a request are :mod:`.checks`.
 """
 
 from __future__ import annotations
@@ -20,19 +21,27 @@ import msgspec
 
 from tqstream.controller.book import Half, PendingPut, PutBook, WaitingPut
 from tqstream.controller.catalog import Catalog
+from tqstream.controller.checks import (
+    capacity_error,
+    check_fields,
+    check_pair,
+    check_put,
+    check_rows,
+    check_upsert,
+    check_writable,
+    put_error,
+    rows_by_key,
+    same_put,
+)
 from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.partition import Partition
 from tqstream.controller.peers import peer_of
 from tqstream.controller.records import Effects, Ids
 from tqstream.controller.rows import Row, check_versions
-from tqstream.controller.shapes import shapes_problem
 from tqstream.controller.units import UnitTable
 from tqstream.errors import (
     CapacityError,
-    DuplicateKeyError,
-    FieldExistsError,
     InvalidRequestError,
-    PartitionClearedError,
     PartitionClosedError,
     PlacementRequiredError,
     RequestTimeoutError,
@@ -56,7 +65,6 @@ class Puts:
         self,
         catalog: Catalog,
         units: UnitTable,
-        book: PutBook,
         deadlines: DeadlineHeap,
         ids: Ids,
         put_timeout: float,
@@ -64,7 +72,7 @@ class Puts:
     ) -> None:
         self.catalog = catalog
         self.units = units
-        self.book = book
+        self.book = PutBook()  # owned here: puts open, end and wait by this class only
         self.deadlines = deadlines
         self.ids = ids
         self.put_timeout = put_timeout
@@ -85,35 +93,8 @@ class Puts:
         ``since``: when a waiting put first asked (its timeout counts from then). ``pinned``: the
         rows go to that unit only (its data is there already, see :meth:`put_stored`), their copy
         to ``replica`` (which holds it already, see :meth:`put_paired`)."""
-        if req.n_rows <= 0 or not req.schemas:
-            raise InvalidRequestError(
-                f"a put needs at least one row and one field (got "
-                f"{req.n_rows} rows, {len(req.schemas)} fields)"
-            )
-        for name, seq in (("keys", req.keys), ("groups", req.groups), ("tags", req.tags)):
-            if seq is not None and len(seq) != req.n_rows:
-                raise InvalidRequestError(
-                    f"{name}= has {len(seq)} entries but the put has {req.n_rows} rows"
-                )
-        if req.group_size is not None and req.group_size <= 0:
-            raise InvalidRequestError(f"group_size must be positive, got {req.group_size}")
-        for vname, vseq in (
-            ("version_start", req.version_start),
-            ("version_end", req.version_end),
-            ("dispatch_version", req.dispatch_version),
-        ):
-            if vseq is not None and len(vseq) != req.n_rows:
-                raise InvalidRequestError(
-                    f"{vname} has {len(vseq)} entries but the put has {req.n_rows} rows"
-                )
-        problem = shapes_problem(req.shapes, req.schemas, req.n_rows)
-        if problem is not None:
-            raise InvalidRequestError(problem)
-        check_versions([req.version], "version")
-        check_versions(req.version_start, "version_start")
-        check_versions(req.version_end, "version_end")
-        check_versions(req.dispatch_version, "dispatch_version")
-        self._check_rows(req.partition, req.n_rows)
+        check_put(req)
+        check_rows(self.catalog.partitions, self.max_rows, req.partition, req.n_rows)
         if pinned is None:
             runs = self.units.place(
                 req.n_rows, req.nbytes, self.catalog.replicas_of(req.partition), req.near
@@ -143,7 +124,7 @@ class Puts:
                 )
         if runs is None:  # no room now: back-pressure, never a silent drop
             if handle is None or req.timeout == 0:
-                raise self.capacity_error(req, 0.0)
+                raise capacity_error(req, 0.0, self.units)
             self.book.park(handle, WaitingPut(req, now if since is None else since, pinned))
             if req.timeout is not None and since is None:
                 self.deadlines.add(now + req.timeout, "putwait", handle)
@@ -205,27 +186,7 @@ class Puts:
         each stored where its row is (and on its replica). Rows named by key that do not exist
         are created with ``create`` (placed like a put's rows, visible at the commit). ``owner``:
         the requester's peer (its put is aborted if it goes away). Nothing changes on error."""
-        named: list[Any] = req.keys if req.keys is not None else req.row_ids
-        if not named or not req.schemas:
-            raise InvalidRequestError("put_fields needs at least one row and one field")
-        for what, seq in (
-            ("tags", req.tags),
-            ("version_start", req.version_start),
-            ("version_end", req.version_end),
-        ):
-            if seq is not None and len(seq) != len(named):
-                raise InvalidRequestError(
-                    f"{what}= has {len(seq)} entries but the write names {len(named)} rows"
-                )
-        problem = shapes_problem(req.shapes, req.schemas, len(named))
-        if problem is not None:
-            raise InvalidRequestError(problem)
-        if len(set(named)) < len(named):
-            twice = next(r for i, r in enumerate(named) if r in named[:i])
-            raise InvalidRequestError(
-                f"put_fields names row {twice!r} more than once; a field is written once per row",
-                row=twice,
-            )
+        named = check_fields(req)
         p = self.catalog.partitions.get(req.partition)
         if p is None and req.keys is not None and req.create:
             p = Partition(req.partition, "")  # every key is new: validated against nothing
@@ -237,15 +198,15 @@ class Puts:
             old: list[Row | None] = list(self.catalog.rows(p, req.row_ids))
             new_keys: list[str] = []
         else:
-            old, new_keys = self._rows_by_key(p, req.keys, req.create)
-        self._check_writable(p, req, [r for r in old if r is not None], len(named))
+            old, new_keys = rows_by_key(p, req.keys, req.create)
+        check_writable(p, req, [r for r in old if r is not None], len(named))
         if new_keys and p.closed:
             raise PartitionClosedError(
                 f"partition {req.partition!r} is closed: it takes no new rows ({len(new_keys)} "
                 f"keys of this write do not exist in it)",
                 partition=req.partition,
             )
-        self._check_rows(req.partition, len(new_keys))
+        check_rows(self.catalog.partitions, self.max_rows, req.partition, len(new_keys))
         share = req.nbytes * len(new_keys) // len(named)  # placed by the bytes they bring
         runs = self._place_new(req.partition, len(new_keys), share)
         if req.partition not in self.catalog.partitions:
@@ -294,42 +255,6 @@ class Puts:
             row_ids=[r.id for r in rows] if put.keyed else [],
         )
 
-    def _check_writable(self, p: Partition, req: PrepareFields, rows: list[Row], n: int) -> None:
-        """Refuse a write of fields the rows have (unless ``overwrite``) or that another write in
-        flight is writing."""
-        for name in req.schemas:
-            bit = p.bits.get(name, 0)
-            if req.overwrite:
-                taken = [p.key_of(r) for r in rows if r.pending & bit]
-                what, advice = "being written by another put_fields in flight", "retry once it ends"
-            else:
-                taken = [p.key_of(r) for r in rows if (r.written | r.pending) & bit]
-                what = "already written (or being written)"
-                advice = "fields cannot be overwritten: write the new values under another name"
-                if req.keys is not None:
-                    advice += " (or pass overwrite=True)"
-            if taken:
-                raise FieldExistsError(
-                    f"field {name!r} is {what} for {len(taken)} of the {n} rows in "
-                    f"partition {req.partition!r} (e.g. key {taken[0]!r}); {advice}",
-                    field=name,
-                    rows=len(taken),
-                )
-
-    def _check_rows(self, partition: str, n: int) -> None:
-        """Refuse ``n`` new rows beyond the cluster's ``max_rows``."""
-        if not self.max_rows or not n:
-            return
-        held = sum(len(p.rows) for p in self.catalog.partitions.values())
-        if held + n > self.max_rows:
-            raise CapacityError(
-                f"the cluster holds {held} rows and max_rows={self.max_rows}: {n} more rows for "
-                f"partition {partition!r} do not fit; clear or consume rows first, or raise "
-                f"max_rows (TransferQueue's total_storage_size)",
-                rows=held,
-                max_rows=self.max_rows,
-            )
-
     def _place_new(
         self, partition: str, n: int, nbytes: int = 0
     ) -> list[tuple[int, int, int, int]]:
@@ -347,29 +272,6 @@ class Puts:
                 rows=n,
             )
         return runs
-
-    def _rows_by_key(
-        self, p: Partition, keys: Sequence[str], create: bool
-    ) -> tuple[list[Row | None], list[str]]:
-        """The committed rows of ``keys`` (None for keys to create) and the keys to create; a key
-        that does not exist without ``create``, or that a put in flight is creating, raises."""
-        rows: list[Row | None] = []
-        new: list[str] = []
-        for k in keys:
-            r = p.row_of_key(k)
-            if r is not None and not r.committed:
-                raise DuplicateKeyError(
-                    f"key {k!r} of partition {p.name!r} is being created by a put in flight; "
-                    f"write to it once that put has committed",
-                    partition=p.name,
-                    count=1,
-                )
-            rows.append(r)
-            if r is None:
-                new.append(k)
-        if new and not create:
-            raise p.unknown_keys(new, len(keys))
-        return rows, new
 
     def _add_pending(
         self,
@@ -490,33 +392,14 @@ class Puts:
         pair = req.pair
         assert pair is not None
         effects = Effects()
-        if unit not in pair.units or pair.units[0] == pair.units[1]:
-            raise InvalidRequestError(
-                f"a put sent to units {pair.units} reached unit {unit}: the two units of a "
-                f"replicated put are two different units, and each copy goes to one of them"
-            )
-        if self.catalog.replicas_of(req.partition) < 2:
-            raise PlacementRequiredError(
-                f"partition {req.partition!r} keeps one copy of each row: a put to it goes to "
-                f"one unit, not two; put again (the client does so by itself)",
-                partition=req.partition,
-                replicas=1,
-            )
-        for u in pair.units:
-            if 0 <= u < len(self.units.alive) and not self.units.alive[u]:
-                raise UnitLostError(
-                    f"storage unit {u} ({self.units.addresses[u]}), one of the two units of this "
-                    f"replicated put, was declared lost; nothing was stored: put again",
-                    unit=u,
-                    partition=req.partition,
-                )
+        check_pair(req, unit, self.catalog.replicas_of(req.partition), self.units)
         other = self.book.take_half(pair.token)
         if other is None:
             self.book.hold_half(pair.token, Half(req, unit, handle))
             self.deadlines.add(now + self.put_timeout, "pair", pair.token)
             return None, [], effects
         handles = [other.handle, handle]
-        if other.unit == unit or not _same_put(other.req, req):
+        if other.unit == unit or not same_put(other.req, req):
             exc: TQStreamError = InvalidRequestError(
                 f"the two copies of a replicated put (pair {pair.token}) differ or came from "
                 f"one unit; nothing was stored: put again",
@@ -548,28 +431,7 @@ class Puts:
             effects.failed.append((half.handle, exc))
 
     def put_error(self, put_id: int) -> TQStreamError:
-        status = self.book.status(put_id)
-        if status == "expired":
-            return RequestTimeoutError(
-                f"put {put_id} was not committed within put_timeout={self.put_timeout}s and was "
-                f"rolled back (no rows, no bytes kept); retry the put",
-                put_id=put_id,
-            )
-        if status == "unit-lost":
-            return UnitLostError(
-                f"put {put_id} was rolled back: a storage unit it was stored on was lost before "
-                f"the commit (nothing was kept); retry the put",
-                put_id=put_id,
-            )
-        if status == "cleared":
-            return PartitionClearedError(
-                f"the partition of put {put_id} was cleared while the put was in flight; nothing "
-                f"was stored",
-                put_id=put_id,
-            )
-        return InvalidRequestError(
-            f"put {put_id} is unknown or already {status or 'finished'}", put_id=put_id
-        )
+        return put_error(put_id, self.book.status(put_id), self.put_timeout)
 
     def abort(self, put_id: int) -> Effects:
         effects = Effects()
@@ -621,18 +483,12 @@ class Puts:
             for r, t in zip(found, tags or [], strict=False):
                 r.merge_tags(t)
             return self.catalog.meta(named, [r.id for r in found], named.common_fields(found))
-        if tags is not None and len(tags) != len(keys):
-            raise InvalidRequestError(
-                f"tags= has {len(tags)} entries but {len(keys)} keys were given"
-            )
-        if len(set(keys)) < len(keys):
-            twice = next(k for i, k in enumerate(keys) if k in keys[:i])
-            raise InvalidRequestError(f"key {twice!r} is named more than once", key=twice)
+        check_upsert(keys, tags)
         p = self.catalog.partitions.get(partition)
         if p is None and not create:
             p = self.catalog.partition(partition)  # raises
-        old, new_keys = self._rows_by_key(p or Partition(partition, ""), keys, create)
-        self._check_rows(partition, len(new_keys))
+        old, new_keys = rows_by_key(p or Partition(partition, ""), keys, create)
+        check_rows(self.catalog.partitions, self.max_rows, partition, len(new_keys))
         runs = self._place_new(partition, len(new_keys))
         if p is None:
             self.catalog.create(partition, [])
@@ -657,21 +513,34 @@ class Puts:
                 r.merge_tags(t)
         return self.catalog.meta(p, [r.id for r in rows], p.common_fields(rows))
 
-    def capacity_error(self, req: PreparePut, waited: float) -> CapacityError:
-        units = self.units
-        free = sum(
-            q - b
-            for q, b, ok in zip(units.quota, units.bytes, units.alive, strict=True)
-            if q and ok
-        )
-        return CapacityError(
-            f"a put of {req.n_rows} rows ({req.nbytes} bytes) to partition {req.partition!r} did "
-            f"not fit in storage within {waited:.1f}s: {free} bytes free under the units' quotas "
-            f"({sum(units.quota)} in all); consume and ack (registered tasks free rows), "
-            f"clear rows, or raise max_bytes on the storage units",
-            nbytes=req.nbytes,
-            free=free,
-        )
+    def partition_cleared(self, partition: str) -> None:
+        """Its puts in flight are cancelled: their commit or deadline still drops their chunks."""
+        for put in self.book.where(partition=partition):
+            put.cancelled = True
+
+    def lose_unit(self, u: int, effects: Effects) -> None:
+        """Unit ``u`` is gone: puts in flight that stored on it roll back, the copies of
+        replicated puts it held or was to hold fail (``UnitLostError``)."""
+        for put in self.book.where(unit=u):
+            self.book.end(put.put_id, "unit-lost")
+            self.rollback(put, effects)
+        for token, half in self.book.halves_with(u):  # a copy of a replicated put: no pair now
+            self.book.take_half(token)
+            effects.failed.append((half.handle, UnitLostError(
+                f"storage unit {u} ({self.units.addresses[u]}), one of the two units of a "
+                f"replicated put, was lost before both held the rows; nothing was stored: put "
+                f"again", unit=u, partition=half.req.partition,
+            )))  # fmt: skip
+
+    def drop_peer(self, peer: Any, effects: Effects) -> None:
+        """The producer ``peer`` went away: its waiting puts are forgotten, its puts in flight
+        rolled back."""
+        for handle, _ in self.book.waiting():
+            if peer_of(handle) == peer:
+                self.book.unpark(handle)
+        for put in self.book.where(owner=peer):
+            self.book.end(put.put_id, "aborted")
+            self.rollback(put, effects)
 
     def retry_waiting(self, effects: Effects, now: float) -> None:
         """Bytes were freed: retry waiting puts in arrival order."""
@@ -715,9 +584,6 @@ class Puts:
         """A put waiting for room past its timeout fails."""
         waiting = self.book.unpark(handle)
         if waiting is not None:
-            effects.failed.append((handle, self.capacity_error(waiting.req, now - waiting.since)))
-
-
-def _same_put(a: PreparePut, b: PreparePut) -> bool:
-    """The two copies of a replicated put describe the same rows."""
-    return msgspec.structs.replace(a, rid=0) == msgspec.structs.replace(b, rid=0)
+            effects.failed.append(
+                (handle, capacity_error(waiting.req, now - waiting.since, self.units))
+            )

@@ -417,15 +417,12 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
             replaced = state.clear_partition(p.name)
             replaced.drop_partitions.clear()  # which would drop the chunks just loaded
             effects.extend(replaced)
-        state.partitions[p.name] = p
-        for u, nbytes in p.rows.on_units(p.rows.ids())[0].items():
-            state.units.bytes[u] += nbytes
+        state.catalog.install(p)
         for t in ttls:
             state.schedule(now + t.left, "ttl", (p, list(t.rows)))
     for entry, adm in zip(ready.snap.admissions, ready.admissions, strict=True):
-        state.admissions.install(entry.name, AdmissionRecord(adm, entry.style, dict(entry.config)))
-    for name, first in ready.snap.next_rows.items():
-        state.next_rows[name] = max(state.next_rows.get(name, 0), first)
+        state.flow.install(entry.name, AdmissionRecord(adm, entry.style, dict(entry.config)))
+    state.catalog.reserve_rows(ready.snap.next_rows)
     reserve_ids(state, ready.snap.next_id)
     return effects
 
@@ -506,7 +503,7 @@ def _build(
     for te in e.tasks:
         if not all(rid in p.rows for rid in te.acked):
             raise _corrupt(f"task {te.name!r} of partition {e.name!r} acked unknown rows")
-        task = p.task(te.name)
+        task = p.tasks.task(te.name)
         task.set_acked(te.acked)
         task.stale_dropped, task.lag = te.stale_dropped, dict(te.lag)
         task.lost, task.consumed, task.tokens_masked = te.lost, te.consumed, te.tokens_masked

@@ -30,20 +30,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from tqstream.controller.book import PutBook
-from tqstream.controller.budget import Budgets
 from tqstream.controller.catalog import Catalog
 from tqstream.controller.deadlines import DeadlineHeap
 from tqstream.controller.faults import Faults
-from tqstream.controller.flow import AdmissionTable, Flow
+from tqstream.controller.flow import Flow
 from tqstream.controller.gets import Gets
-from tqstream.controller.leases import LeaseTable
-from tqstream.controller.parked import Parked, ParkedGets
+from tqstream.controller.leases import Leases
+from tqstream.controller.parked import Parked
 from tqstream.controller.partition import Partition
 from tqstream.controller.puts import Puts
 from tqstream.controller.records import DeadlineKind, Effects, Ids
 from tqstream.controller.units import UnitTable
-from tqstream.errors import PartitionClearedError, TQStreamError
+from tqstream.errors import TQStreamError
 from tqstream.protocol.messages import (
     Acquire,
     BudgetReport,
@@ -70,26 +68,23 @@ class ControllerState:
         self.now = 0.0  # the latest time seen: a put woken by freed bytes is planned at it
         self.ids = Ids()  # put, lease, chunk and partition-incarnation ids
         self.units = UnitTable()
-        self.puts = PutBook()
-        self.leases = LeaseTable()
-        self.parked = ParkedGets()
-        self.admissions = AdmissionTable()
-        self.budgets = Budgets()
         self.deadlines = DeadlineHeap(self._live)
-        self.catalog = Catalog(self.units, self.leases, self.ids, replicas)
-        self.partitions = self.catalog.partitions  # the same dict, for reading
-        self.flow = Flow(self.admissions, self.budgets, self.deadlines)
+        self.catalog = Catalog(self.units, self.ids, replicas)
+        self.flow = Flow(self.deadlines)
         self.writes = Puts(
-            self.catalog, self.units, self.puts, self.deadlines, self.ids, put_timeout, max_rows
+            self.catalog, self.units, self.deadlines, self.ids, put_timeout, max_rows
         )
-        self.reads = Gets(
-            self.catalog, self.leases, self.parked, self.puts, self.deadlines, self.flow,
-            self.ids, lease_timeout,
-        )  # fmt: skip
-        self.faults = Faults(
-            self.catalog, self.writes, self.units, self.puts, self.leases, self.parked,
-            self.admissions, self.budgets, self.ids,
-        )  # fmt: skip
+        self.leasing = Leases(self.catalog, self.ids, self.deadlines, lease_timeout)
+        self.reads = Gets(self.catalog, self.leasing, self.writes.book, self.deadlines, self.flow)
+        self.faults = Faults(self.catalog, self.writes, self.reads, self.leasing, self.flow,
+                             self.units, self.ids)  # fmt: skip
+        # the tables, for reading (each is changed by its owner only)
+        self.partitions = self.catalog.partitions
+        self.puts = self.writes.book
+        self.leases = self.leasing.table
+        self.parked = self.reads.parked
+        self.admissions = self.flow.admissions
+        self.budgets = self.flow.budgets
 
     @property
     def replicas(self) -> int:
@@ -249,13 +244,13 @@ class ControllerState:
         self, partition: str, task: str, lease_id: int, row_ids: list[int], tokens_masked: int = 0,
         resumed: bool = False,
     ) -> tuple[int, Effects]:  # fmt: skip
-        n, effects = self.reads.ack(partition, task, lease_id, row_ids, tokens_masked, resumed)
+        n, effects = self.leasing.ack(partition, task, lease_id, row_ids, tokens_masked, resumed)
         return n, self.settle(effects, self.now)
 
     def release(
         self, partition: str, task: str, lease_id: int, row_ids: list[int], now: float
     ) -> tuple[int, Effects]:
-        n, effects = self.reads.release(partition, task, lease_id, row_ids, now)
+        n, effects = self.leasing.release(partition, task, lease_id, row_ids, now)
         return n, self.settle(effects, now)
 
     def reset_consumption(
@@ -297,33 +292,13 @@ class ControllerState:
         return self.settle(effects, self.now)
 
     def clear_partition(self, partition: str) -> Effects:
-        """Make sure ``partition`` is gone: clearing one that does not exist does nothing."""
+        """Make sure ``partition`` is gone: clearing one that does not exist does nothing. The
+        catalog removes it; its puts in flight, leases and parked gets end with it."""
         effects = Effects()
-        p = self.partitions.get(partition)
-        if p is None:
-            return effects
-        for u, nbytes in p.rows.on_units(p.rows.ids())[0].items():
-            self.units.bytes[u] -= nbytes
-        # A put to a re-created partition of this name can reach a unit before this order: scope
-        # the drop to older chunks, and never reuse row ids under the name (see create_partition).
-        effects.drop_partitions.append((partition, next(self.ids)))
-        self.next_rows[partition] = p.next_row
-        for put in self.puts.where(partition=partition):
-            put.cancelled = True  # commit or deadline still drops its chunks
-        for lease in self.leases.where(partition=partition):
-            self.leases.end(lease, "cleared")
-        for parked in self.parked.drop_partition(partition):
-            effects.failed.append(
-                (
-                    parked.handle,
-                    PartitionClearedError(
-                        f"partition {partition!r} was cleared while this get_meta waited",
-                        partition=partition,
-                    ),
-                )
-            )
-        del self.partitions[partition]
-        effects.room = True
+        if self.catalog.clear(partition, effects):
+            self.writes.partition_cleared(partition)
+            self.leasing.partition_cleared(partition)
+            self.reads.partition_cleared(partition, effects)
         return self.settle(effects, self.now)
 
     # --- deadlines ---
@@ -340,7 +315,7 @@ class ControllerState:
         touched: set[str] = set()  # partitions given rows back by expired leases
         for deadline, kind, ref in self.deadlines.due(now):
             if kind == "lease":
-                name = self.reads.expire_lease(ref, deadline)
+                name = self.leasing.expire(ref, deadline)
                 if name is not None:
                     touched.add(name)
             elif kind == "acquire":
@@ -391,7 +366,7 @@ class ControllerState:
                 rows=p.committed,
                 fields={f: p.written_count.get(f, 0) for f in p.bits},
                 schemas=dict(p.schemas),
-                tasks=p.task_stats(),
+                tasks=p.tasks.task_stats(),
                 pending_puts=len(self.puts.where(partition=name, live=True)),
                 parked_requests=self.parked.count(name),
                 produced=p.produced,

@@ -4,9 +4,13 @@ admits) is :func:`tqstream.staleness.oldest_version`, shared with the client and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from tqstream.controller.rows import Row
 from tqstream.errors import InvalidRequestError
 from tqstream.protocol.messages import GetMeta
+from tqstream.staleness import oldest_version
 from tqstream.types import Measure
 
 
@@ -34,3 +38,41 @@ def check_window(req: GetMeta) -> None:
                 "max_staleness needs current_version (the trainer's policy version) to place the "
                 "window: pass current_version=v"
             )
+
+
+class Window(NamedTuple):
+    """A get's staleness window: rows whose ``measure`` version is at least ``oldest``."""
+
+    current_version: int
+    max_staleness: int
+    measure: Measure
+    oldest: int
+
+    @classmethod
+    def of(cls, req: GetMeta) -> Window | None:
+        """The window of a checked request (:func:`check_window`), None when it has none."""
+        if req.max_staleness is None or req.current_version is None:
+            return None
+        cv, ms = req.current_version, req.max_staleness
+        return cls(cv, ms, req.measure, oldest_version(cv, ms))
+
+    def admits(self, r: Row) -> bool:
+        """Whether row ``r`` is inside (a row without a version always is)."""
+        v = version_of(r, self.measure)
+        return v is None or v >= self.oldest
+
+    def by_id(self, row: Callable[[int], Row]) -> Callable[[int], bool]:
+        """:meth:`admits` of the row of an id, ``row`` finding it."""
+        oldest, measure = self.oldest, self.measure
+
+        def fresh(rid: int) -> bool:
+            v = version_of(row(rid), measure)
+            return v is None or v >= oldest
+
+        return fresh
+
+    def describe(self) -> str:
+        return (
+            f"{self.measure} version < {self.oldest} = current_version {self.current_version} - "
+            f"max_staleness {self.max_staleness}"
+        )
