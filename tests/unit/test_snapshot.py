@@ -10,16 +10,9 @@ import msgspec
 import pytest
 from test_controller_state import F32, I64, get, new_state, prepare, put, put_fields, req
 
-from tqstream.controller import snapshot
-from tqstream.controller.snapshot import (
-    ControllerSnapshot,
-    FileEntry,
-    assign_files,
-    install,
-    replaceable,
-    restore,
-    take,
-)
+from tqstream.controller import restore as rebuild
+from tqstream.controller.restore import assign_files, install, replaceable, restore
+from tqstream.controller.snapshot import ControllerSnapshot, FileEntry, take
 from tqstream.controller.state import ControllerState
 from tqstream.errors import (
     CheckpointCorruptError,
@@ -195,7 +188,7 @@ def test_a_partition_keeping_two_copies_is_restored_with_two() -> None:
 def test_a_unit_lost_while_loading_fails_the_install() -> None:
     snap = saved(build())
     fresh = new_state(2)
-    ready = snapshot.prepare(fresh, snap, snapshot.placement(fresh, snap))
+    ready = rebuild.prepare(fresh, snap, rebuild.placement(fresh, snap))
     fresh.lose_unit(1, 0.0)
     fresh.add_unit("tcp://unit1")  # back, empty: what it loaded is gone
     with pytest.raises(CheckpointError, match=r"storage unit\(s\) \[1\] were lost while"):
@@ -310,7 +303,7 @@ def test_empty_partitions_of_the_same_name_are_replaced_unless_put_to_meanwhile(
     fresh = new_state(2)
     fresh.create_partition("p", ["a"])
     empty = replaceable(fresh, snap)  # when the load begins
-    ready = snapshot.prepare(fresh, snap, snapshot.placement(fresh, snap))
+    ready = rebuild.prepare(fresh, snap, rebuild.placement(fresh, snap))
     put(fresh, 1, ("a",))  # a producer, while the units load
     with pytest.raises(CheckpointError, match="'p' of the checkpoint were put to while it"):
         install(fresh, ready, 0.0, empty)

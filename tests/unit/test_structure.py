@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,18 @@ def test_no_pickle_anywhere(name: str) -> None:
 def test_contracts_import_no_implementation(name: str) -> None:
     tq = {i for i in MODULES[name] if i.startswith("tqstream")}
     assert tq <= CONTRACTS, f"{name} imports {tq - CONTRACTS}"
+
+
+def test_the_controller_is_small_rooms() -> None:
+    """No controller file over 600 lines, the median one at most 250: each table's owner fits in
+    a reader's head (docs/architecture.md)."""
+    sizes = sorted(
+        len(p.read_text().splitlines())
+        for p in (ROOT / "controller").rglob("*.py")
+        if p.read_text().strip()
+    )
+    assert sizes[-1] <= 600, sizes
+    assert statistics.median(sizes) <= 250, sizes
 
 
 def test_controller_and_storage_never_import_each_other() -> None:

@@ -11,7 +11,7 @@ aside, then removed), so a failed or interrupted save leaves the older checkpoin
 a new one. The reply comes after all of that.
 
 Load. Into a cluster that holds no rows: the controller reads and checks the state, moves its id
-counter past the checkpoint's, has each live unit load its files (``snapshot.assign_files``; the
+counter past the checkpoint's, has each live unit load its files (``restore.assign_files``; the
 rows of a partition keeping two copies go to two units) and, once all did, installs the state in
 one step, replacing the empty partitions of the same names (declared by a client at start-up,
 say) unless someone put to them meanwhile. If anything fails (a unit is lost meanwhile, too) the
@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tqstream.controller import snapshot
+from tqstream.controller import restore, snapshot
 from tqstream.controller.records import Effects
 from tqstream.controller.snapshot import ControllerSnapshot, FileEntry, Taken
 from tqstream.controller.state import ControllerState
@@ -212,13 +212,13 @@ class Checkpoints:
                     f"no storage unit is alive to load the checkpoint at {path} into; start the "
                     f"storage units first"
                 )
-            where = snapshot.placement(s, snap)
-            ready = snapshot.prepare(s, snap, where)  # a damaged state: before any loading
+            where = restore.placement(s, snap)
+            ready = restore.prepare(s, snap, where)  # a damaged state: before any loading
             # The saved chunks take ids of this cluster's, never issued before (so no tombstone or
             # reset of a unit refuses them): saved id + base, all below the fence; every later
             # put's are above it.
             base = next(s.ids)
-            snapshot.reserve_ids(s, base + snap.next_id)
+            restore.reserve_ids(s, base + snap.next_id)
             fence = next(s.ids)
             orders: dict[int, list[str]] = {}
             for f, pair in zip(snap.files, where, strict=True):
@@ -239,7 +239,7 @@ class Checkpoints:
                     if isinstance(result, BaseException):
                         raise self._unit_failed(unit, f"load its files of {path}", result, path)
                 now = asyncio.get_running_loop().time()
-                effects = snapshot.install(s, ready, now, empty)  # one step, with the check above
+                effects = restore.install(s, ready, now, empty)  # one step, with the check above
             except BaseException:
                 await asyncio.shield(self._unload(snap, fence))
                 raise
@@ -257,7 +257,7 @@ class Checkpoints:
         )
         return CheckpointReply(rid=msg.rid, summary=summary)
 
-    def _check_room(self, snap: ControllerSnapshot, path: str) -> snapshot.Replaceable:
+    def _check_room(self, snap: ControllerSnapshot, path: str) -> restore.Replaceable:
         """Refuse a cluster that holds rows, or an admission of the checkpoint's that granted
         slots; returns the empty partitions the checkpoint will replace."""
         s = self.service.state
@@ -270,8 +270,8 @@ class Checkpoints:
                 f"partitions first",
                 partitions=sorted(full),
             )
-        snapshot.check_admissions(s, snap, f"cannot load the checkpoint at {path}: ")
-        return snapshot.replaceable(s, snap)
+        restore.check_admissions(s, snap, f"cannot load the checkpoint at {path}: ")
+        return restore.replaceable(s, snap)
 
     async def _unload(self, snap: ControllerSnapshot, fence: int) -> None:
         """Have every unit drop what it loaded of the checkpoint (chunk ids below ``fence``); a
