@@ -43,6 +43,13 @@ def main() -> None:
         ExperienceIterator(address, ["ids"], 12, partition=partition, sharding=sharding)
     except InvalidRequestError as exc:
         report["refused"] = str(exc)
+    if int(processes) > 1:  # the batch axis within each process, replicated across them
+        across = Mesh(np.array(devices).reshape(int(processes), -1).T, ("data", "model"))
+        try:
+            ExperienceIterator(address, ["ids"], 8, partition=partition,
+                               sharding=NamedSharding(across, PartitionSpec("data")))  # fmt: skip
+        except InvalidRequestError as exc:
+            report["replicated"] = str(exc)
     # a producer's array sharded over the devices: gathered by the writer (or, when other
     # processes hold some of it, refused)
     spread = jax.make_array_from_process_local_data(

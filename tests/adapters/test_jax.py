@@ -834,6 +834,12 @@ def test_two_processes_with_jax_distributed_read_disjoint_halves(
     reports = [json.loads(o.read_text()) for o in outs]
     assert [r["devices"] for r in reports] == [8, 8]
     assert [r["local_rows"] for r in reports] == [4, 4]
+    for r in reports:  # every process holding the whole batch axis would read each row twice
+        assert r["replicated"] == (
+            "each process must hold its own share of the batch axis: this one's devices hold 8 "
+            "of 8 rows and there are 2 processes; shard the first dimension over every "
+            "process's devices (e.g. a mesh over jax.devices() with PartitionSpec('data'))"
+        )
     for r in reports:  # a global array a process holds half of cannot be put by it
         assert r["spread"].startswith(
             "field 'x': this jax.Array spans devices of other processes (shape (16,), sharding "
