@@ -446,11 +446,14 @@ def test_error_details_name_the_field():
 
 # --- Column operations ---------------------------------------------------------------------------
 def test_slice_is_zero_copy_and_rebased():
-    _, cols = columns_from_data(
-        {"r": [torch.arange(k) for k in (2, 3, 0, 4)], "d": torch.ones(4, 2)}
-    )
-    r = cols["r"].slice(1, 3)
-    assert r.values.data_ptr() == cols["r"].values[2:].data_ptr()
+    rows = [torch.arange(k) for k in (2, 3, 0, 4)]
+    _, cols = columns_from_data({"r": rows, "d": torch.ones(4, 2)})
+    r = cols["r"].slice(1, 3)  # in parts: the rows put (row 2, empty, holds no value)
+    assert r.in_parts and [p.data_ptr() for p in r.pieces()[0]] == [rows[1].data_ptr()]
+    assert r.offsets.tolist() == [0, 3, 3] and r.n_rows == 2
+    joined = roundtrip(cols["r"])  # one values tensor: a view of it
+    r = joined.slice(1, 3)
+    assert r.values.data_ptr() == joined.values[2:].data_ptr()
     assert r.offsets.tolist() == [0, 3, 3] and r.n_rows == 2
     assert cols["d"].slice(2, 4).values.data_ptr() == cols["d"].values[2].data_ptr()
     assert cols["r"].slice(0, 0).n_rows == 0 and cols["r"].slice(4, 4).values.numel() == 0

@@ -41,7 +41,9 @@ def make_columns(fields, rows: list[int], chunk: int) -> dict[str, Column]:
         "r": [torch.tensor(value("r", r, chunk), dtype=torch.float32) for r in rows],
         "o": [value("o", r, chunk) for r in rows],
     }
-    return columns_from_data({f: data[f] for f in fields})[1]
+    columns = columns_from_data({f: data[f] for f in fields})[1]
+    # as a unit holds them: a field's values in one tensor (one frame or region), not the rows put
+    return {name: Column(c.schema, c.values, c.offsets) for name, c in columns.items()}
 
 
 def content(col: Column) -> list:

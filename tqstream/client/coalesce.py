@@ -97,7 +97,10 @@ def merge(puts: Sequence[Pending]) -> tuple[PreparePut, dict[str, Column]]:
             blocks += [p.columns for p in pending if not isinstance(p.columns, Deferred)]
             counts += [p.req.n_rows for p in pending]
     first = reqs[0]
-    columns = {name: Column.concat([b[name] for b in blocks], counts) for name in first.schemas}
+    # in parts: each put's rows are copied once, by the writer that sends the merged put
+    columns = {
+        name: Column.concat([b[name] for b in blocks], counts, join=False) for name in first.schemas
+    }
 
     def rows(name: str, default: Any, always: bool = False) -> list[Any] | None:
         if not always and all(getattr(r, name) is None for r in reqs):

@@ -86,6 +86,7 @@ from tqstream.protocol.messages import (
     Store,
     Welcome,
 )
+from tqstream.protocol.parts import joined, nbytes
 from tqstream.protocol.transport import context, error_from_reply
 from tqstream.protocol.wire import column_from_wire, columns_to_wire
 from tqstream.types import BatchMeta, Stats
@@ -563,7 +564,7 @@ class ClientCore:
             buffers: list[Any] = []
             token = self._token(unit)
             if token and req.nbytes >= self.config.shared_memory_min_bytes:
-                refs, buffers = columns_to_wire(columns)
+                refs, buffers = columns_to_wire(columns, parts=True)  # rows copied into place
                 segment = shm.direct_segment(token)
                 written = self._write_shared(unit, segment, buffers)
                 if written is not None:
@@ -684,18 +685,19 @@ class ClientCore:
         """Store one chunk on ``unit``; a shared-memory store learns the unit's spares."""
         conn = await self._unit(unit)
         token = self._token(unit)
-        refs, buffers = columns_to_wire(part)
+        refs, buffers = columns_to_wire(part, parts=bool(token))  # rows copied into place
         run = isinstance(rows, range) and len(rows) > 0
         msg = Store(rid=0, partition=partition, chunk=chunk, columns=refs, overwrite=overwrite,
                     local=unit in self.hosted, row_ids=[] if run else list(rows),
                     first_row=rows[0] if run else 0, n_rows=len(rows) if run else 0)  # fmt: skip
-        size = sum(memoryview(b).nbytes for b in buffers)
+        size = sum(nbytes(b) for b in buffers)
         kept = 0
         if token and buffers and size >= self.config.shared_memory_min_bytes:
             written = self._write_shared(unit, shm.chunk_segment(token, chunk), buffers)
             if written is not None:
                 msg = msgspec.structs.replace(msg, shared=written[0], reused=written[1])
                 buffers, kept = [], written[2]
+        buffers = joined(buffers)  # frames: a column's rows joined into one (a copy each)
         try:
             reply: Ok = await self._ask(msg, Ok, conn=conn, buffers=buffers)
         except BaseException:

@@ -75,25 +75,31 @@ def encode_batch(
     reqs: list[PreparePut], inputs: list[Deferred]
 ) -> tuple[list[PreparePut], dict[str, Column]]:
     """Deferred puts of one merge key as one batch: each request with its rows' versions, and
-    the columns of all their rows in order. Their signatures say every input is well formed (see
-    the module docstring), so the columns are built without the per-row checks of a put; their
-    schemas are checked against the requests' all the same."""
+    the columns of all their rows in order, in parts (the inputs' tensors, each copied once by
+    the writer that sends them). Their signatures say every input is well formed (see the module
+    docstring), so the columns are built without the per-row checks of a put; each input's
+    dtype and trailing shape are checked against the requests' schemas all the same."""
     schemas = reqs[0].schemas
     columns: dict[str, Column] = {}
     for name, schema in schemas.items():
         parts = [d.data[name] for d in inputs]
+        # every row of an input has its first row's dtype and trailing shape (Signatures.of)
+        for part in parts:
+            first = part if isinstance(part, torch.Tensor) else part[0]
+            if WIRE_NAMES.get(first.dtype) != schema.dtype or first.shape[1:] != schema.shape:
+                got = f"{first.dtype} {tuple(first.shape[1:])}"
+                raise SchemaError(
+                    f"field {name!r}: {schema.describe()} expected, the batch has {got}"
+                )
         if schema.kind == "dense":
-            columns[name] = Column(schema, torch.cat(parts).contiguous())  # type: ignore[arg-type]
+            starts = np.zeros(len(parts) + 1, np.int64)
+            starts[1:] = list(itertools.accumulate(r.n_rows for r in reqs))
+            columns[name] = Column.from_parts(schema, parts, starts)  # type: ignore[arg-type]
             continue
         rows: list[torch.Tensor] = list(itertools.chain.from_iterable(parts))
         offsets = np.zeros(len(rows) + 1, np.int64)
         offsets[1:] = list(itertools.accumulate(t.shape[0] for t in rows))
-        columns[name] = Column(schema, torch.cat(rows).contiguous(), torch.from_numpy(offsets))
-    for name, col in columns.items():
-        schema, values = schemas[name], col.values
-        if WIRE_NAMES.get(values.dtype) != schema.dtype or values.shape[1:] != schema.shape:
-            got = f"{values.dtype} {tuple(values.shape[1:])}"
-            raise SchemaError(f"field {name!r}: {schema.describe()} expected, the batch has {got}")
+        columns[name] = Column.from_parts(schema, rows, offsets, torch.from_numpy(offsets))
     bounds: dict[str, tuple[list[int | None], list[int | None]]] = {}
     out, start = [], 0
     for req, d in zip(reqs, inputs, strict=True):

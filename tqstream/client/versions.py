@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from tqstream.errors import SchemaError
-from tqstream.protocol.columns import Column
+from tqstream.protocol.columns import DTYPES, Column
+from tqstream.protocol.parts import STAGE_BYTES, between, stage
 from tqstream.types import FieldSchema
 
 _INTEGER = {"int8", "int16", "int32", "int64", "uint8"}
@@ -32,30 +33,26 @@ def row_versions(
             f"int[L]), got {col.schema.describe()}; pass versions_field=None to use only version=",
             field=name,
         )
-    flat = col.values.numpy().reshape(-1)
-    # the same bits as unsigned: a negative (prompt) position becomes larger than any version, so
-    # a plain min skips it (one vectorised pass each for min and max, no copy, no mask)
-    unsigned = flat if flat.dtype == np.uint8 else flat.view(f"u{flat.dtype.itemsize}")
-    if col.n_rows == 1:  # one trajectory per put: no per-row bounds
-        if flat.shape[0] == 0 or (end := int(flat.max())) < 0:  # no generated token
-            return [fallback], [fallback]
-        return [int(unsigned.min())], [end]
     n = col.n_rows
-    if col.schema.kind == "dense":
-        if flat.shape[0] == 0:
-            return [fallback] * n, [fallback] * n
-        lo = unsigned.reshape(n, -1).min(axis=1)
-        hi = flat.reshape(n, -1).max(axis=1)
-    else:  # numpy: small per-trajectory puts cost microseconds
-        assert col.offsets is not None
-        bounds = col.offsets.numpy()
-        lo = np.zeros(n, dtype=unsigned.dtype)
-        hi = np.full(n, -1, dtype=np.int64)
-        full = bounds[1:] > bounds[:-1]  # rows with at least one token
-        if full.any():
-            at = bounds[:-1][full]  # reduceat spans each start to the next: empty rows skipped
-            lo[full] = np.minimum.reduceat(unsigned, at)
-            hi[full] = np.maximum.reduceat(flat, at)
+    if col.in_parts and col.schema.kind == "ragged" and n > 1:
+        lo, hi = _staged(col)  # rows as the put was given them: never joined
+    else:
+        flat = col.values.numpy().reshape(-1)
+        unsigned = _unsigned(flat)
+        if n == 1:  # one trajectory per put: no per-row bounds
+            if flat.shape[0] == 0 or (end := int(flat.max())) < 0:  # no generated token
+                return [fallback], [fallback]
+            return [int(unsigned.min())], [end]
+        if col.schema.kind == "dense":
+            if flat.shape[0] == 0:
+                return [fallback] * n, [fallback] * n
+            lo = unsigned.reshape(n, -1).min(axis=1)
+            hi = flat.reshape(n, -1).max(axis=1)
+        else:  # numpy: small per-trajectory puts cost microseconds
+            assert col.offsets is not None
+            lo = np.zeros(n, dtype=unsigned.dtype)
+            hi = np.full(n, -1, dtype=np.int64)
+            _reduce(flat, col.offsets.numpy(), lo, hi)
     starts: list[int | None] = []
     ends: list[int | None] = []
     for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
@@ -66,6 +63,54 @@ def row_versions(
             starts.append(a)
             ends.append(b)
     return starts, ends
+
+
+def _unsigned(flat: np.ndarray) -> np.ndarray:
+    """The same bits as unsigned: a negative (prompt) position becomes larger than any version, so
+    a plain min skips it (one vectorised pass each for min and max, no copy, no mask)."""
+    return flat if flat.dtype == np.uint8 else flat.view(f"u{flat.dtype.itemsize}")
+
+
+def _reduce(flat: np.ndarray, bounds: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+    """``lo`` / ``hi``: the min over the unsigned view and the max of each row of ``flat`` that
+    has values (row ``i`` is ``flat[bounds[i]:bounds[i + 1]]``); empty rows are left as they are."""
+    full = bounds[1:] > bounds[:-1]  # rows with at least one token
+    if full.any():
+        at = bounds[:-1][full]  # reduceat spans each start to the next: empty rows skipped
+        lo[full] = np.minimum.reduceat(_unsigned(flat), at)
+        hi[full] = np.maximum.reduceat(flat, at)
+
+
+def _staged(col: Column) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row bounds of a ragged column in parts, its rows gathered a window at a time into a
+    buffer that stays in cache (a row larger than the window is read where it is): a read of the
+    parts and the two passes over cached memory, where joining them first would write the whole
+    column out to memory and read it back twice."""
+    assert col.offsets is not None
+    offsets, n = col.offsets.numpy(), col.n_rows
+    dtype = DTYPES[col.schema.dtype]
+    window = STAGE_BYTES // dtype.itemsize
+    buffer = stage(min(col.n_values, window) * dtype.itemsize).view(dtype)
+    staged = buffer.numpy()
+    rows = col.pieces()
+    lo = np.zeros(n, dtype=_unsigned(staged).dtype)
+    hi = np.full(n, -1, dtype=np.int64)
+    a = 0
+    while a < n:  # rows a..b-1 in one window (row a alone if larger)
+        b = max(a + 1, int(np.searchsorted(offsets, offsets[a] + window, side="right")) - 1)
+        start, stop = int(offsets[a]), int(offsets[b])
+        pieces, _ = between(*rows, start, stop)
+        if stop - start > window:
+            with torch.no_grad():
+                flat = (torch.cat(pieces) if len(pieces) > 1 else pieces[0].detach()).numpy()
+        elif stop > start:
+            with torch.no_grad():
+                torch.cat(pieces, out=buffer[: stop - start])
+            flat = staged[: stop - start]
+        if stop > start:
+            _reduce(flat, offsets[a : b + 1] - start, lo[a:b], hi[a:b])
+        a = b
+    return lo, hi
 
 
 FRESH_MASK = "fresh_mask"

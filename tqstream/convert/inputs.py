@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -149,6 +150,8 @@ def _column(name: str, value: Any) -> Column:
 
 def _list_column(name: str, value: Sequence[Any]) -> Column:
     """A list of tensors (ragged rows), of numbers or number lists, or of object values."""
+    if value and set(map(type, value)) == _PLAIN_TENSOR:  # the common case, told apart cheaply
+        return _ragged_column(name, value)
     tensors = sum(isinstance(v, (torch.Tensor, np.ndarray)) for v in value)
     if value and tensors == len(value):
         return _ragged_column(name, value)
@@ -266,12 +269,17 @@ def _given_column(name: str, col: Column) -> Column:
 
 
 def _ragged_column(name: str, items: Sequence[Any]) -> Column:
-    """Ragged rows from ``items``, each a tensor or a numpy array."""
+    """Ragged rows from ``items``, each a tensor or a numpy array. CPU rows become a column in
+    parts (each row copied once, by the writer that sends it); rows on an accelerator are
+    concatenated there and moved to the CPU in one transfer."""
     if len(items) == 1:  # one trajectory per put (an agent loop's put): the row is the values
         t = _from_numpy(name, items[0]) if isinstance(items[0], np.ndarray) else items[0]
         if t.ndim and t.layout == _STRIDED:  # else the checks below say what is wrong
             values = _cpu(name, t)
             return Column(_ragged_schema(values), values, _one_row_offsets(values.shape[0]))
+    plain = _plain_rows(items)
+    if plain is not None:
+        return _in_parts(name, items, *plain)
     rows: list[torch.Tensor] = []
     for i, item in enumerate(items):
         t = _from_numpy(name, item) if isinstance(item, np.ndarray) else item
@@ -287,11 +295,58 @@ def _ragged_column(name: str, items: Sequence[Any]) -> Column:
         rows.append(t)
     if len({t.device for t in rows}) > 1:
         rows = [t.cpu() for t in rows]
-    with torch.no_grad():  # one copy on the rows' device, then (accelerators) one transfer
+    plain = _plain_rows(rows)  # numpy arrays, or moved to the CPU
+    if plain is not None:
+        return _in_parts(name, rows, *plain)
+    with torch.no_grad():  # one copy on the rows' device, then one transfer
         values = _cpu(name, torch.cat(rows))
     offsets = np.zeros(len(rows) + 1, np.int64)  # numpy: a fraction of torch.tensor's cost
     offsets[1:] = list(itertools.accumulate(t.shape[0] for t in rows))
     return Column(_ragged_schema(values), values, torch.from_numpy(offsets))
+
+
+_PLAIN_TENSOR = {torch.Tensor}
+
+
+def _plain_rows(items: Sequence[Any]) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """``(dtype, trailing shape)`` of rows that are all plain strided CPU tensors of one dtype and
+    one trailing shape, with at least one dimension; else None (the row-by-row checks then say
+    what is wrong, or handle numpy arrays and accelerators). Each check is one pass of attribute
+    reads over the rows (~45 ns a row): 1024 rows cost ~0.3 ms, 0.6 with their tensors out of
+    cache (as in a put), where the row-by-row loop takes ~1 and 1.3 ms."""
+    if set(map(type, items)) != _PLAIN_TENSOR:  # not a subclass: nested, parameters, ...
+        return None
+    if {t.layout for t in items} != {_STRIDED} or not all(t.is_cpu for t in items):
+        return None
+    dtypes = {t.dtype for t in items}
+    ndims = {t.ndim for t in items}
+    if len(dtypes) != 1 or len(ndims) != 1 or 0 in ndims:
+        return None
+    first = items[0]
+    trailing = tuple(first.shape[1:])
+    if first.ndim > 1 and len({t.shape[1:] for t in items}) != 1:
+        return None
+    return first.dtype, trailing
+
+
+def _in_parts(
+    name: str, rows: Sequence[torch.Tensor], dtype: torch.dtype, trailing: tuple[int, ...]
+) -> Column:
+    """A ragged column whose parts are ``rows`` (checked: CPU, strided, of ``dtype`` and
+    ``trailing``), their offsets from the rows' sizes in one numpy pass."""
+    if dtype not in WIRE_NAMES:
+        raise field_error(
+            SchemaError, name, f"dtype {dtype} is unsupported; cast to {KNOWN_DTYPES}"
+        )
+    per_row = math.prod(trailing) * dtype.itemsize
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    if per_row:  # a tensor's nbytes is read faster than its shape
+        np.cumsum([t.nbytes for t in rows], out=offsets[1:])
+        offsets //= per_row
+    else:
+        np.cumsum([t.shape[0] for t in rows], out=offsets[1:])
+    schema = FieldSchema("ragged", WIRE_NAMES[dtype], trailing)
+    return Column.from_parts(schema, list(rows), offsets, torch.from_numpy(offsets))
 
 
 def _one_row_offsets(length: int) -> torch.Tensor:

@@ -5,9 +5,10 @@ A storage unit owns a *token* and names every segment it may serve ``tqs-<token>
 read the token back shares its memory (same host, same ``/dev/shm``) and from then on moves tensor
 bytes through segments instead of ZMQ frames, which then carry only the msgpack header:
 
-* put: the client lays a chunk's buffers out in segment ``tqs-<token>-c<chunk>`` (one copy; a new
-  segment or a claimed spare, below) and sends ``Store`` with the segment's regions; the unit maps
-  the segment and keeps it as the chunk's memory until the chunk is dropped.
+* put: the client lays a chunk's buffers out in segment ``tqs-<token>-c<chunk>`` (one copy, also of
+  a put's list of tensors: :mod:`~tqstream.protocol.parts`; a new segment or a claimed spare,
+  below) and sends ``Store`` with the segment's regions; the unit maps the segment and keeps it as
+  the chunk's memory until the chunk is dropped.
 * direct put (``PutRows``, whose chunk id the controller picks only at the commit): the client
   writes ``tqs-<token>-d<random>``; the unit *takes* it by renaming it to a name of its own
   (``-l<n>``, atomic) before mapping it, and renames that to the chunk's name once committed. A
@@ -63,6 +64,7 @@ import torch
 
 from tqstream.errors import InvalidRequestError, MalformedMessageError, TQStreamError
 from tqstream.protocol.messages import Region, Spare
+from tqstream.protocol.parts import Parts, nbytes
 
 __all__ = [
     "GATHER_SEGMENT_BYTES",
@@ -155,14 +157,14 @@ def _layout(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 def segment_size(buffers: Sequence[Any]) -> int:
     """Bytes of the segment that holds ``buffers``."""
-    return _layout([memoryview(b).nbytes for b in buffers])[1]
+    return _layout([nbytes(b) for b in buffers])[1]
 
 
 def write_segment(name: str, buffers: Sequence[Any]) -> list[Region]:
     """Write ``buffers`` (one copy each) into a new segment ``name``; return their regions. On
     failure (e.g. ``ENOSPC``: /dev/shm is full) nothing is left behind. A writer that puts again
     uses a :class:`Writer` (spares, kept mappings) instead."""
-    sizes = [memoryview(b).nbytes for b in buffers]
+    sizes = [nbytes(b) for b in buffers]
     offsets, size = _layout(sizes)
     fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -192,6 +194,9 @@ def _reserve(fd: int, size: int) -> None:
 
 def _pwrite(fd: int, buffers: Sequence[Any], offsets: Sequence[int], sizes: Sequence[int]) -> None:
     for buf, off, n in zip(buffers, offsets, sizes, strict=True):
+        if type(buf) is Parts:  # a column's values in parts: staged, each part copied once
+            buf.pwrite(fd, off)
+            continue
         view = memoryview(buf).cast("B")
         while n:  # write() without a mapping of our own: no page-table work
             done = os.pwrite(fd, view, off)
@@ -209,12 +214,15 @@ class _Kept:
         self.size = size
 
     def copy(self, buffers: Sequence[Any], offsets: Sequence[int], sizes: Sequence[int]) -> None:
-        """Memory copies into the mapping (torch's, parallel, GIL released)."""
+        """Memory copies into the mapping (torch's, parallel, GIL released); a column's values in
+        parts are copied there part by part (one ``torch.cat``)."""
         segment = torch.frombuffer(self.mapping, dtype=torch.uint8)
         with warnings.catch_warnings():  # the sources are read-only buffers, only ever read here
             warnings.filterwarnings("ignore", message=".*not writable.*")
             for buf, off, n in zip(buffers, offsets, sizes, strict=True):
-                if n:
+                if type(buf) is Parts:
+                    buf.into(segment[off : off + n])
+                elif n:
                     source = torch.frombuffer(memoryview(buf).cast("B"), dtype=torch.uint8)
                     segment[off : off + n].copy_(source)
 
@@ -245,7 +253,7 @@ class Writer:
         the regions, the claimed spare's name ("" for a new segment) and the inode of the mapping
         kept (0: none), which :meth:`forget` must let go if the put fails. ``spares`` (the unit's,
         last heard) loses the one claimed. On failure nothing is left behind and nothing kept."""
-        sizes = [memoryview(b).nbytes for b in buffers]
+        sizes = [nbytes(b) for b in buffers]
         offsets, size = _layout(sizes)
         self._let_go_unlinked()
         reused, fd, kept = self._claim(spares, name, size)
@@ -657,7 +665,7 @@ class UnitSegments:
     def gather_segment(self, buffers: Sequence[Any], into: Sequence[Spare] = ()) -> list[Region]:
         """Copy ``buffers`` into the smallest fitting receive segment the client offered
         (``into``), or else into a fresh segment ``tqs-<token>-g<n>``; return their regions."""
-        sizes = [memoryview(b).nbytes for b in buffers]
+        sizes = [nbytes(b) for b in buffers]
         offsets, size = _layout(sizes)
         for offer in sorted(into, key=lambda o: o.nbytes):
             if offer.nbytes < size or not offer.name.startswith(f"tqs-{self.token}-r"):

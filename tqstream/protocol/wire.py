@@ -3,9 +3,11 @@ raw frames, and back.
 
 A column goes out as one frame per tensor (values, then offsets for ragged and object fields),
 each a view of the column's tensor (no copy), or, for a small message, copied with the others into
-one packed frame. Received columns alias the frames they came in. Everything here speaks only
-:class:`~tqstream.protocol.columns.Column`, so clients and storage units share it; checkpoint files
-reuse the same layout.
+one packed frame. The values of a column in parts (a put's list of tensors) are copied once: into
+the packed frame, into the shared-memory segment that carries them (as
+:class:`~tqstream.protocol.parts.Parts`), or else into a frame of their own. Received columns alias
+the frames they came in. Everything here speaks only :class:`~tqstream.protocol.columns.Column`, so
+clients and storage units share it; checkpoint files reuse the same layout.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tqstream.protocol.columns import (
     offsets_problem,
 )
 from tqstream.protocol.messages import BufferRef, ColumnRef
+from tqstream.protocol.parts import Parts
 
 __all__ = ["column_from_wire", "column_to_wire", "columns_to_wire"]
 
@@ -47,14 +50,27 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
         if view.c_contiguous:
             return view.cast("B")
     # bfloat16 & co (numpy has no such type), odd strides of size-1 dimensions
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # one value whose dimensions kept their strides: contiguous anyway
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8).numpy().data
 
 
-def column_to_wire(name: str, col: Column, first_frame: int) -> tuple[ColumnRef, list[memoryview]]:
+def column_to_wire(
+    name: str, col: Column, first_frame: int, parts: bool = False
+) -> tuple[ColumnRef, list[Any]]:
     """The header entry and the 1 (dense) or 2 (values, offsets) frames of a column, which the
-    message carries at ``first_frame`` and ``first_frame + 1``."""
-    values = BufferRef(first_frame, dtype_name(col.values.dtype), tuple(col.values.shape))
-    frames = [_as_bytes(col.values)]
+    message carries at ``first_frame`` and ``first_frame + 1``. A column in parts gives its
+    values as :class:`~tqstream.protocol.parts.Parts` with ``parts`` (for a writer that copies
+    them into place: a shared-memory segment), else joined into one buffer."""
+    frames: list[Any]
+    if col.in_parts:
+        buffer = _parts(col)
+        values = BufferRef(first_frame, col.schema.dtype, (col.n_values, *col.schema.shape))
+        frames = [buffer if parts else buffer.join()]
+    else:
+        values = BufferRef(first_frame, dtype_name(col.values.dtype), tuple(col.values.shape))
+        frames = [_as_bytes(col.values)]
     offsets = None
     if col.offsets is not None:
         offsets = BufferRef(first_frame + 1, "int64", tuple(col.offsets.shape))
@@ -62,44 +78,63 @@ def column_to_wire(name: str, col: Column, first_frame: int) -> tuple[ColumnRef,
     return ColumnRef(name, col.schema, values, offsets), frames
 
 
+def _parts(col: Column) -> Parts:
+    return Parts(*col.pieces(), DTYPES[col.schema.dtype], col.schema.shape)
+
+
 def columns_to_wire(
-    columns: Mapping[str, Column], packed: bool = False
+    columns: Mapping[str, Column], packed: bool = False, parts: bool = False
 ) -> tuple[list[ColumnRef], list[Any]]:
     """Header entries and frames of several columns, frames numbered from 1 (after the header).
 
     ``packed``: every tensor is copied into one frame (at 16-byte aligned offsets), which costs
-    less than a send and a receive per tensor for a small message (one trajectory's put)."""
+    less than a send and a receive per tensor for a small message (one trajectory's put); the
+    values of a column in parts are copied there straight from the parts. ``parts``: the values
+    of columns in parts stay :class:`~tqstream.protocol.parts.Parts` (see
+    :func:`column_to_wire`)."""
     if packed:
         return _packed_to_wire(columns)
     refs: list[ColumnRef] = []
-    buffers: list[memoryview] = []
+    buffers: list[Any] = []
     for name, col in columns.items():
-        ref, bufs = column_to_wire(name, col, 1 + len(buffers))
+        ref, bufs = column_to_wire(name, col, 1 + len(buffers), parts)
         refs.append(ref)
         buffers.extend(bufs)
     return refs, buffers
 
 
 def _packed_to_wire(columns: Mapping[str, Column]) -> tuple[list[ColumnRef], list[Any]]:
-    placed: list[tuple[memoryview, int]] = []  # each tensor's bytes and its offset in the frame
+    placed: list[tuple[memoryview | Parts, int]] = []  # each tensor's bytes, its offset there
     end = 0
 
-    def place(t: torch.Tensor, dtype: str) -> BufferRef:
+    def place(b: memoryview | Parts, dtype: str, shape: tuple[int, ...]) -> BufferRef:
         nonlocal end
-        b = _as_bytes(t)
         placed.append((b, end))
-        ref = BufferRef(1, dtype, tuple(t.shape), end)
+        ref = BufferRef(1, dtype, shape, end)
         end += -(-b.nbytes // _ALIGN) * _ALIGN
         return ref
 
     refs = []
     for name, col in columns.items():
-        values = place(col.values, dtype_name(col.values.dtype))
-        offsets = None if col.offsets is None else place(col.offsets, "int64")
+        if col.in_parts:
+            shape = (col.n_values, *col.schema.shape)
+            values = place(_parts(col), col.schema.dtype, shape)
+        else:
+            t = col.values
+            values = place(_as_bytes(t), dtype_name(t.dtype), tuple(t.shape))
+        offsets = None
+        if col.offsets is not None:
+            offsets = place(_as_bytes(col.offsets), "int64", tuple(col.offsets.shape))
         refs.append(ColumnRef(name, col.schema, values, offsets))
     frame = bytearray(end)
+    whole = torch.frombuffer(frame, dtype=torch.uint8) if end else None
     for b, at in placed:
-        frame[at : at + b.nbytes] = b
+        if isinstance(b, Parts):
+            if b.nbytes:
+                assert whole is not None
+                b.into(whole[at : at + b.nbytes])
+        else:
+            frame[at : at + b.nbytes] = b
     return refs, [frame]
 
 
