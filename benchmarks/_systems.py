@@ -9,12 +9,14 @@ Systems with consumer-task semantics (every task reads every row once) also impl
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from benchmarks._workload import FIELDS, Batch
 from benchmarks._workload import flat as _flat
 
 __all__ = [
+    "NAMED_ONLY",
     "OPT_IN",
     "SYSTEMS",
     "System",
@@ -445,8 +448,58 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class Launched:
+    """A cluster started the way a user starts one: the ``tqstream-launch`` command (the
+    virtualenv's script, else the one on ``PATH``) with ``args``, in a process of its own; its
+    address read from the line it prints once every server serves. Its log lines (INFO, the
+    command's default) go to a file, shown when it fails to start. ``close`` sends SIGINT, what
+    Ctrl-C does, and waits for it to stop its children."""
+
+    def __init__(self, args: Sequence[str]) -> None:
+        script = Path(sys.executable).with_name("tqstream-launch")
+        command = str(script) if script.exists() else shutil.which("tqstream-launch")
+        if command is None:
+            raise RuntimeError("tqstream-launch is not installed (pip install -e .)")
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
+        self.proc = subprocess.Popen(
+            [command, *args], stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # the launcher exits if a child cannot start
+        if not line.startswith("tqstream ready at "):
+            self.close()
+            self.log.seek(0)
+            raise RuntimeError(f"tqstream-launch {' '.join(args)} did not start: {line}"
+                               f"{self.log.read()[-3000:]}")  # fmt: skip
+        self.address = line.split()[3]
+
+    def servers(self) -> list[int]:
+        """The pids of the launcher's children: the controller first, then the storage units."""
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == self.proc.pid:
+                    cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+                    children.append((b"controller" not in cmdline, int(stat.parent.name)))
+        return [pid for _, pid in sorted(children)]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
+
+
 class TQStream(TaskSystem):
-    """tqstream, embedded (controller + 1 storage unit in this process) or as processes."""
+    """tqstream, embedded (controller + 1 storage unit in this process) or as processes
+    (``ProcessCluster``, or the ``tqstream-launch`` command: ``deployment="launch"``)."""
 
     def __init__(
         self,
@@ -471,7 +524,10 @@ class TQStream(TaskSystem):
             "over inproc://; chunks of 1 MiB or more through /dev/shm, smaller ones as frames"
             if deployment == "embedded"
             else (
-                "ProcessCluster: controller + 1 storage unit as child processes"
+                "tqstream-launch --storage-units 1 (the command users run): controller + 1 "
+                "storage unit as its child processes"
+                if deployment == "launch"
+                else "ProcessCluster: controller + 1 storage unit as child processes"
                 if replicas == 1
                 else f"ProcessCluster: controller + 2 storage units, replicas={replicas} (every "
                 "row stored on both)"
@@ -505,6 +561,12 @@ class TQStream(TaskSystem):
         port = _free_port() if self.metrics else None
         if self.deployment == "embedded":
             self.client = tqstream.init(storage_units=1, client_config=config, metrics_port=port)
+        elif self.deployment == "launch":
+            args = ["--storage-units", str(self.replicas), "--replicas", str(self.replicas)]
+            args += ["--keys", keys] if keys else []
+            args += ["--metrics-port", str(port)] if port else []
+            self.launched = Launched(args)
+            self.client = tqstream.connect(self.launched.address, config=config)
         else:
             self.cluster = tqstream.ProcessCluster(
                 storage_units=self.replicas, replicas=self.replicas, keys=keys, metrics_port=port
@@ -518,9 +580,13 @@ class TQStream(TaskSystem):
     def server_cpu(self) -> dict[str, float] | None:
         """CPU seconds (user + system, every thread) the controller and the storage units have
         used so far; None for the embedded deployment, whose servers share this process."""
-        if not hasattr(self, "cluster"):
+        if hasattr(self, "cluster"):
+            pids = [p.pid for p in self.cluster.procs]
+        elif hasattr(self, "launched"):
+            pids = self.launched.servers()
+        else:
             return None
-        seconds = [cpu_seconds(p.pid) for p in self.cluster.procs]
+        seconds = [cpu_seconds(pid) for pid in pids]
         return {"controller": seconds[0], "units": sum(seconds[1:])}
 
     def close(self) -> None:
@@ -530,6 +596,8 @@ class TQStream(TaskSystem):
             self.client.close()
         if hasattr(self, "cluster"):
             self.cluster.close()
+        if hasattr(self, "launched"):
+            self.launched.close()
         if hasattr(self, "_keydir"):
             shutil.rmtree(self._keydir, ignore_errors=True)
 
@@ -735,6 +803,7 @@ SYSTEMS = (
     "tqstream-embedded",
     "tqstream-procs-tcp",
     "tqstream-procs-shm",
+    "tqstream-launch",
     "tqstream-replicas",
     "tqstream-procs-tcp-curve",
     "tqstream-procs-shm-curve",
@@ -758,6 +827,10 @@ OPT_IN = (
 )
 """Systems run only when named (``--bench-systems``, ``interleave --systems``): what CURVE keys
 and the metrics endpoint cost, next to the same systems without them."""
+NAMED_ONLY = ("tqstream-launch",)
+"""Systems only the scenarios naming them in their module's ``BENCH_SYSTEMS`` run: the cluster
+``tqstream-launch`` starts is ``tqstream-procs-shm``'s (the same ``ProcessCluster``, from the
+command), measured where the command is the point (the producers scenario)."""
 
 
 def make_system(name: str) -> System:
@@ -765,6 +838,8 @@ def make_system(name: str) -> System:
         return TQStream(name, "embedded", "auto")
     if name == "tqstream-procs-shm":
         return TQStream(name, "procs", "auto")
+    if name == "tqstream-launch":
+        return TQStream(name, "launch", "auto")
     if name == "tqstream-procs-tcp":
         return TQStream(name, "procs", "off")
     if name == "tqstream-replicas":

@@ -36,6 +36,7 @@ __all__ = [
     "make_batch",
     "flat",
     "make_trajectories",
+    "make_trajectory",
     "quick",
     "row_ids",
 ]
@@ -102,7 +103,11 @@ class Producers:
     consumer reads ``batch`` rows at a time and acks them. Trajectory lengths are uniform in
     ``[min_length, max_length]``, the first ``prompt`` tokens of each carry version -1.
     ``warmup_rows`` go through once, untimed, before the measured rounds (connections, worker
-    pools and caches warm up; data checked)."""
+    pools and caches warm up; data checked). With ``generate`` (seconds), each of the
+    ``in_flight`` rollouts of a producer "generates" for a random 0..``generate`` seconds (an
+    ``asyncio.sleep``, seeded per producer), then builds its trajectory — when it ends, not
+    beforehand — and puts it, then starts the next one: an agent-loop worker's rollouts, ending
+    at random times."""
 
     group: int = 1
     producers: int = 8
@@ -115,6 +120,7 @@ class Producers:
     warmup_rows: int = 256
     in_flight: int = 1
     rate: float = 0.0
+    generate: float = 0.0
 
     def __post_init__(self) -> None:
         # every producer puts the same number of whole puts; the consumer reads whole batches
@@ -135,6 +141,11 @@ class Producers:
         flight = f", {self.in_flight} puts in flight each" if self.in_flight > 1 else ""
         if self.rate:
             flight = f", {self.in_flight} rollouts each, offered {self.rate:,.0f} rows/s"
+        if self.generate:
+            flight = (
+                f", {self.in_flight} rollouts each ending after 0-{self.generate * 1e3:g} ms, "
+                f"built then"
+            )
         return (
             f"{self.producers} producers x {what} per put{flight}, L {self.min_length}-"
             f"{self.max_length}, batches of {self.batch}, {self.rows} rows"
@@ -146,7 +157,7 @@ class Producers:
         return dataclasses.replace(
             self,
             producers=2,
-            rows=16 * self.group,
+            rows=16 * self.group * max(1, self.rows // 4096),  # twice for the 8,192-row variants
             batch=4 * self.group,
             min_length=48,
             max_length=80,
@@ -176,6 +187,12 @@ PRODUCERS = {
     # TransferQueue reaches with one trajectory per put on 2 cores (~100): whether a system keeps
     # up with that rate when puts do not arrive together, and its put latency there
     "agent-paced": Producers(group=1, rows=4096, in_flight=32, rate=4000.0),
+    # an agent loop as users run it: each rollout generates for a random 0-2 ms, builds its
+    # trajectory when it ends and puts it; beside it the same exchange of prebuilt trajectories
+    # put back to back (what "agent" does): their ratio is what ending at random times and building
+    # each trajectory then cost (TQSTREAM_BENCH_AGENT_PREBUILT=1: the end times alone)
+    "agent-loop": Producers(group=1, rows=8192, in_flight=32, generate=0.002),
+    "agent-back-to-back": Producers(group=1, rows=8192, in_flight=32),
 }
 METADATA_ROWS = (10**3, 10**4, 10**5, 10**6)
 SWEEP_BATCHES = (16, 64, 256, 1024)
@@ -280,27 +297,30 @@ class Trajectories:
         return {**self.ragged, "rewards": self.rewards}
 
 
+def make_trajectory(config: Producers, index: int, *, first_id: int, seed: int) -> Trajectories:
+    """Put ``index`` of a producer (``config.group`` trajectories, row ids ``first_id + index *
+    group, ...`` in ``rewards``; see :func:`make_batch`), from a generator of its own: the same
+    arguments give the same tensors, in whatever order a producer's rollouts build them, so the
+    consumer's process can rebuild what a producer process put and compare."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 63))
+    lengths = torch.randint(
+        config.min_length, config.max_length + 1, (config.group,), generator=gen
+    ).tolist()
+    ids, logprobs, versions = [], [], []
+    for n in lengths:
+        ids.append(torch.randint(0, 32000, (n,), generator=gen, dtype=torch.int64))
+        logprobs.append(-torch.rand(n, generator=gen))
+        version = torch.zeros(n, dtype=torch.int32)
+        version[: min(config.prompt, n)] = -1
+        versions.append(version)
+    start = first_id + index * config.group
+    rewards = torch.arange(start, start + config.group, dtype=torch.float32)
+    ragged = {"input_ids": ids, "logprobs": logprobs, "versions": versions}
+    return Trajectories(ragged, rewards)
+
+
 def make_trajectories(
     config: Producers, puts: int, *, first_id: int, seed: int
 ) -> list[Trajectories]:
-    """``puts`` puts of ``config.group`` trajectories each, with row ids ``first_id, ...`` in
-    ``rewards`` (see :func:`make_batch`); the same arguments give the same tensors, so the
-    consumer's process can rebuild what a producer process put and compare."""
-    gen = torch.Generator().manual_seed(seed)
-    out: list[Trajectories] = []
-    for p in range(puts):
-        lengths = torch.randint(
-            config.min_length, config.max_length + 1, (config.group,), generator=gen
-        ).tolist()
-        ids, logprobs, versions = [], [], []
-        for n in lengths:
-            ids.append(torch.randint(0, 32000, (n,), generator=gen, dtype=torch.int64))
-            logprobs.append(-torch.rand(n, generator=gen))
-            version = torch.zeros(n, dtype=torch.int32)
-            version[: min(config.prompt, n)] = -1
-            versions.append(version)
-        start = first_id + p * config.group
-        rewards = torch.arange(start, start + config.group, dtype=torch.float32)
-        ragged = {"input_ids": ids, "logprobs": logprobs, "versions": versions}
-        out.append(Trajectories(ragged, rewards))
-    return out
+    """A producer's ``puts`` puts, built beforehand (:func:`make_trajectory` of each)."""
+    return [make_trajectory(config, p, first_id=first_id, seed=seed) for p in range(puts)]

@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from benchmarks._systems import OPT_IN, SYSTEMS, System, make_system, missing, settle
+from benchmarks._systems import (
+    NAMED_ONLY,
+    OPT_IN,
+    SYSTEMS,
+    System,
+    make_system,
+    missing,
+    settle,
+)
 from benchmarks._workload import METADATA_ROWS, quick
 from benchmarks.report import machine
 
@@ -64,7 +72,8 @@ def _selected(config: pytest.Config) -> list[str]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "system" in metafunc.fixturenames:
-        allowed = getattr(metafunc.module, "BENCH_SYSTEMS", SYSTEMS)
+        everywhere = tuple(s for s in SYSTEMS if s not in NAMED_ONLY)
+        allowed = getattr(metafunc.module, "BENCH_SYSTEMS", everywhere)
         names = [n for n in _selected(metafunc.config) if n in allowed]
         metafunc.parametrize("system", names, indirect=True, scope="session")
 

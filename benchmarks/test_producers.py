@@ -1,14 +1,18 @@
 """producers: P producer processes (8) each put one trajectory, or one group of 8, at a time
 (ragged, 768-1280 tokens) — or 32 trajectories in flight, put as soon as they can be or at the times
-of a Poisson process of a set rate (``_workload.Producers``) — while one consumer in the benchmark
-process reads batches of 256 rows and acks them. A round is the exchange of a fixed number of rows
-(2048 trajectories, 4096 rows in groups), from the producers' common start to the last batch acked,
-so rows / round time is the sustained rate. Producers time each of their own puts and send the times
-back: p50 / p99 go into ``extra_info``, and for a tqstream process cluster the CPU time its
-controller and its storage units used during the timed rounds, per row
-(``controller_cpu_us_per_row``, ``units_cpu_us_per_row``: user + system, every thread, from
-``/proc``). Every round checks that no row was lost or read twice and nothing is left stored; the
-untimed warmup exchange also compares the data.
+of a Poisson process of a set rate, or 32 rollouts each ending after a random 0-2 ms and building
+its trajectory then (``_workload.Producers``) — while one consumer in the benchmark process reads
+batches of 256 rows and acks them. A round is the exchange of a fixed number of rows (2048
+trajectories, 4096 rows in groups, 8192 in the agent-loop pair), from the producers' common start
+to the last batch acked, so rows / round time is the sustained rate; ``first_put_s`` is how long
+after the start the first put began, ``first_put_to_last_ack_s`` the exchange counted from it.
+Producers time each of their own puts and send the times back: p50 / p99 go into ``extra_info``,
+with the CPU time each side used during the timed rounds, per row (user + system, every thread):
+``producers_cpu_us_per_row`` (their trajectories' building included where it is timed),
+``consumer_cpu_us_per_row`` (this process: the embedded servers too) and, for a tqstream process
+cluster, ``controller_cpu_us_per_row`` and ``units_cpu_us_per_row`` (from ``/proc``). Every round
+checks that no row was lost or read twice and nothing is left stored; the untimed warmup exchange
+also compares the data.
 
 The producer processes are spawned once per session and connected to one system after another
 (to the Ray-based systems as drivers of the benchmark's Ray cluster); each gets one job per
@@ -60,11 +64,13 @@ from benchmarks._workload import (
     Producers,
     Trajectories,
     make_trajectories,
+    make_trajectory,
 )
 
 BENCH_SYSTEMS = (
     "tqstream-embedded",
     "tqstream-procs-shm",
+    "tqstream-launch",
     "tqstream-replicas",
     "ray-actor-queue",
     "transferqueue",
@@ -74,6 +80,9 @@ TASK = "consumer"
 POLL = 1.0  # seconds a consumer waits for a batch before checking that every producer is alive
 RAY_NAMESPACE = "tqstream-bench"
 RAGGED = TRAJECTORY_FIELDS[:-1]  # every field but rewards
+# the agent loop's rollouts put trajectories built beforehand: its random end times alone, without
+# the CPU of building each trajectory when its rollout ends
+PREBUILT = os.environ.get("TQSTREAM_BENCH_AGENT_PREBUILT", "0") not in ("", "0")
 
 
 # --- producer side: one connection per producer process -----------------------------------------
@@ -343,9 +352,11 @@ def producer_main(conn: Connection, start: Any) -> None:
             elif isinstance(command, Job):
                 assert producer is not None, "a job before Connect"
                 job = command
+                # an agent loop's rollouts build their trajectories when they end (_in_flight)
+                built = not job.config.generate or PREBUILT
                 items = make_trajectories(
                     job.config, job.puts, first_id=job.first_id, seed=job.seed
-                )
+                ) if built else []  # fmt: skip
                 # what a rollout worker should do once set up (docs/deployment.md): full
                 # collections then skip everything made so far — here also the modules of every
                 # system these processes have served (Ray's and TransferQueue's), which made one
@@ -353,15 +364,16 @@ def producer_main(conn: Connection, start: Any) -> None:
                 gc.freeze()
                 conn.send(("armed", None))
                 start.wait(WAIT)
-                times: list[float] = []
+                times = Times(cpu=-time.process_time())
                 if job.config.in_flight > 1:
                     flight = _in_flight(producer, items, job, times)
                     loop.run_until_complete(flight)
                 else:
                     for item in items:
-                        began = time.perf_counter()
+                        began = times.began()
                         producer.put(item, job.tag)
-                        times.append(time.perf_counter() - began)
+                        times.ended(began)
+                times.cpu += time.process_time()
                 conn.send(("done", times))
             elif command == DISCONNECT and producer is not None:
                 closing: Producer = producer
@@ -378,19 +390,52 @@ def producer_main(conn: Connection, start: Any) -> None:
         conn.close()
 
 
-async def _in_flight(
-    producer: Producer, items: list[Trajectories], job: Job, times: list[float]
-) -> None:
+@dataclasses.dataclass
+class Times:
+    """A producer's puts in one exchange: each one's duration, when the first one began
+    (``time.monotonic``, the system-wide clock the consumer's process reads too) and the CPU
+    seconds the process used (every thread, from the start to its last put's return)."""
+
+    durations: list[float] = dataclasses.field(default_factory=list)
+    first: float = math.inf
+    cpu: float = 0.0
+
+    def began(self) -> float:
+        now = time.monotonic()
+        self.first = min(self.first, now)
+        return now
+
+    def ended(self, began: float) -> None:
+        self.durations.append(time.monotonic() - began)
+
+
+async def _in_flight(producer: Producer, items: list[Trajectories], job: Job, times: Times) -> None:
     """``in_flight`` rollouts at once: each task puts the next trajectory when its last put
     returned; with a ``rate``, trajectories end at the times of a Poisson process instead (this
-    producer's share of the rate) and each is put then, ``in_flight`` puts at most at once."""
+    producer's share of the rate) and each is put then, ``in_flight`` puts at most at once; with
+    ``generate``, each task's rollout generates for a random 0..``generate`` s, builds its
+    trajectory then and puts it."""
     c = job.config
 
     async def put(item: Trajectories) -> None:
-        began = time.perf_counter()
+        began = times.began()
         await producer.async_put(item, job.tag)
-        times.append(time.perf_counter() - began)
+        times.ended(began)
 
+    if c.generate:
+        ends = random.Random(job.seed)
+        indices = iter(range(job.puts))
+
+        async def agent() -> None:
+            for index in indices:
+                await asyncio.sleep(ends.uniform(0.0, c.generate))
+                if items:  # TQSTREAM_BENCH_AGENT_PREBUILT=1
+                    await put(items[index])
+                else:
+                    await put(make_trajectory(c, index, first_id=job.first_id, seed=job.seed))
+
+        await asyncio.gather(*(agent() for _ in range(c.in_flight)))
+        return
     if not c.rate:
         queue = iter(items)
 
@@ -430,7 +475,7 @@ class Pool:
         self.start = ctx.Barrier(count + 1)
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
-        self._done: dict[int, list[float]] = {}
+        self._done: dict[int, Times] = {}
         self.running = False  # a job was handed out and its times not collected yet
         try:
             for i in range(count):
@@ -502,13 +547,13 @@ class Pool:
             if i not in self._done and conn.poll(0):
                 _, self._done[i] = self._recv(i, 0)
 
-    def times(self) -> list[float]:
-        """Every put's duration in the last exchange."""
+    def times(self) -> list[Times]:
+        """Each producer's puts in the last exchange."""
         for i in range(len(self.conns)):
             if i not in self._done:
                 _, self._done[i] = self._recv(i, WAIT)
         self.running = False
-        return [t for i in range(len(self.conns)) for t in self._done[i]]
+        return [self._done[i] for i in range(len(self.conns))]
 
     def close(self) -> None:
         self.start.abort()  # a producer still waiting for the start gives up at once
@@ -763,7 +808,11 @@ class Exchange:
     keep: bool = False  # keep the received rows' data (for the data check)
     ids: list[int] = dataclasses.field(default_factory=list)
     data: dict[int, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
-    cpu: dict[str, float] = dataclasses.field(default_factory=dict)  # servers' CPU s in run()
+    # CPU seconds in run(): producers, consumer (this process: the embedded servers too), servers
+    cpu: dict[str, float] = dataclasses.field(default_factory=dict)
+    started: float = 0.0  # time.monotonic() at the common start
+    acked: float = 0.0  # ... once the last batch was acked
+    first_put: float = 0.0  # seconds from the common start to the first put (finish())
 
     @property
     def seed(self) -> int:
@@ -783,7 +832,9 @@ class Exchange:
         """Timed: release the producers, read every row in batches, ack each batch."""
         system = self.consumer.system
         before = system.server_cpu() if isinstance(system, TQStream) else None
+        consumer = time.process_time()
         self.pool.go()
+        self.started = time.monotonic()
         while len(self.ids) < self.rows:
             # never more than is left: a raw store's take may hand over a little more than asked
             # (whole coalesced puts), and the last one would wait for rows that never come
@@ -799,13 +850,18 @@ class Exchange:
                     self.data[row_id] = {name: rows[name][j] for name in RAGGED}
             self.ids += ids
             self.consumer.done(token)
+        self.acked = time.monotonic()
+        self.cpu["consumer"] = time.process_time() - consumer
         if before is not None:
             after = system.server_cpu()  # type: ignore[attr-defined]
-            self.cpu = {k: after[k] - v for k, v in before.items()}
+            self.cpu |= {k: after[k] - v for k, v in before.items()}
 
     def finish(self) -> list[float]:
         """Untimed: every row read exactly once, nothing left stored; the put times."""
-        times = self.pool.times()
+        done = self.pool.times()
+        times = [t for d in done for t in d.durations]
+        self.first_put = min(d.first for d in done) - self.started
+        self.cpu["producers"] = sum(d.cpu for d in done)
         assert sorted(self.ids) == list(range(self.rows)), "rows lost or read twice"
         held = self.consumer.held()
         assert held == 0, f"{held} rows still stored after the exchange"
@@ -906,12 +962,16 @@ def test_producers(
 
     times: list[float] = []
     current: list[Exchange] = []
-    cpu: dict[str, float] = {}  # the servers' CPU seconds over the timed rounds
+    cpu: dict[str, float] = {}  # each side's CPU seconds over the timed rounds
+    exchanges: list[float] = []  # each round's first put to its last ack, seconds
+    first_puts: list[float] = []  # each round's common start to its first put
     rows = 0
 
     def finish(exchange: Exchange) -> None:
         nonlocal rows
         times.extend(exchange.finish())
+        first_puts.append(exchange.first_put)
+        exchanges.append(exchange.acked - exchange.started - exchange.first_put)
         for k, v in exchange.cpu.items():
             cpu[k] = cpu.get(k, 0.0) + v
         rows += exchange.rows
@@ -933,7 +993,7 @@ def test_producers(
         system=system.name,
         mode=getattr(consumer, "mode", system.mode),
         note=system.note,
-        case=config.case,
+        case=config.case.replace("built then", "prebuilt") if PREBUILT else config.case,
         variant=variant,
         bytes=int(row_bytes * config.rows),
         batch=config.batch,
@@ -950,4 +1010,6 @@ def test_producers(
         put_p50_s=percentile(times, 0.50),
         put_p99_s=percentile(times, 0.99),
         put_mean_s=statistics.fmean(times),
+        first_put_s=max(first_puts),
+        first_put_to_last_ack_s=statistics.median(exchanges),
     )

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from benchmarks._bench import roundtrip
-from benchmarks._systems import SYSTEMS, System
+from benchmarks._systems import NAMED_ONLY, SYSTEMS, System
 from benchmarks._workload import SWEEP_BATCHES, SWEEP_LENGTH, Scenario
 
-BENCH_SYSTEMS = tuple(s for s in SYSTEMS if s != "ray-actor-queue")
+BENCH_SYSTEMS = tuple(s for s in SYSTEMS if s not in ("ray-actor-queue", *NAMED_ONLY))
 
 
 @pytest.mark.parametrize("batch", SWEEP_BATCHES)

@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(480)
 def test_benchmark_suite_runs_and_reports() -> None:
     """Every scenario against every installed system, once at its smallest, through the report;
-    the producers scenario (2 producers, 16 puts each) has one table per variant (one trajectory,
-    a group, 32 trajectories in flight, the same paced) with rows/s, put p50 / p99 and tqstream's
-    rows/s over each system's."""
+    the producers scenario (2 producers, 16 puts each, 32 in the agent-loop pair) has one table
+    per variant (one trajectory, a group, 32 trajectories in flight, the same paced, an agent loop
+    building each when it ends and its prebuilt twin put back to back) with rows/s, put p50 / p99
+    and tqstream's rows/s over each system's."""
     cmd = [sys.executable, "-m", "benchmarks.report", "--bench-quick"]
     # verl-kv starts Ray and two systems' Ray actors: most of its ~50 s
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420, check=False)
@@ -29,6 +30,9 @@ def test_benchmark_suite_runs_and_reports() -> None:
         "producers — 2 producers x 1 group of 8 per put",
         "producers — 2 producers x 1 trajectory per put",
         "producers — 2 producers x 1 trajectory per put, 32 puts in flight each",
+        "producers — 2 producers x 1 trajectory per put, 32 puts in flight each",
+        "producers — 2 producers x 1 trajectory per put, 32 rollouts each ending after 0-2 ms, "
+        "built then",
         "producers — 2 producers x 1 trajectory per put, 32 rollouts each, offered 4,000 rows/s",
     ]
     # the raw-pyzmq floor in every variant (the in-flight ones coalesced)
