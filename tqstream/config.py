@@ -158,6 +158,12 @@ class ClientConfig:
     0: those issued in the same turn of the client's event loop, no added wait; None: never. Puts
     issued while the client has puts of their kind in flight to every unit they go to also wait
     for one of those to end, and go together (any window but None)."""
+    coalesce_rejoin: float = 1.0
+    """Coalescing puts: after a coalesced put returned, the next one to go waits, at most this
+    fraction of such a put's time, for its callers (the tasks that awaited it, the threads that
+    called it) to put again — an agent loop's rollouts ending at random times — when they came
+    back that fast the last time and no fewer are owed than wait (docs/architecture.md); 0:
+    never."""
 
     def __post_init__(self) -> None:
         _check(self, "")

@@ -10,10 +10,12 @@ the child (its IO thread does not exist there): create a new one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
 import secrets
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -213,7 +215,8 @@ class Client:
         )  # fmt: skip
         if window:  # puts of several threads meet on the IO thread
             self._check()
-            return self._io.run(ClientCore.put(self._core, req, columns))
+            caller = threading.current_thread()
+            return self._io.run(ClientCore.put(self._core, req, columns, True, caller))
         return self._sync(ClientCore.put, req, columns, False)  # a thread waits for each
 
     async def async_put(
@@ -238,7 +241,7 @@ class Client:
             versions_field, reject_mixed_versions, timeout, tags,
             self._signatures if coalescing else None, shapes,
         )  # fmt: skip
-        return await self._async(ClientCore.put, req, columns)
+        return await self._async(ClientCore.put, req, columns, True, asyncio.current_task())
 
     def put_fields(
         self,

@@ -10,7 +10,10 @@ put is then made on its own and gets its own answer, as if it had never been mer
 While a client has puts of one merge key in flight to every unit they go to, the next one waits
 for one of them to end (:class:`Flights`) and the puts issued meanwhile go with it: group commit,
 so that puts issued in loop turns of their own (rollouts ending one by one) coalesce under load,
-and a lone put never waits.
+and a lone put never waits. Callers that put again soon after their put returned (an agent loop's
+rollouts, ending at random times) are waited for too, so that they go as one put again instead of
+splitting into groups that take turns (:class:`Flights`, ``ClientConfig.coalesce_rejoin``); a put
+knows its caller (the task that awaited it, the thread that called it) for that.
 
 Puts whose encoding was deferred (``deferred.py``) are encoded at the merge, as one batch for each
 run of them: a merged put costs one encoding, not one per caller.
@@ -26,7 +29,8 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Hashable, Iterator, Sequence
+import time
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -44,6 +48,9 @@ class Pending:
     req: PreparePut
     columns: dict[str, Column] | Deferred
     answer: Any  # asyncio.Future[BatchMeta]
+    caller: Hashable = None
+    """Who made it: the task that awaited ``async_put``, the thread that called ``put``
+    (:class:`Flights` waits for the callers of a put that ended to put again)."""
 
 
 def merge_key(req: PreparePut) -> Hashable:
@@ -141,13 +148,47 @@ def split(meta: BatchMeta, puts: Sequence[Pending]) -> list[BatchMeta]:
     return out
 
 
-class Flights:
-    """The puts of each merge key in flight, and the one put of a key that waits for one of them
-    to end. Used from one event loop."""
+@dataclasses.dataclass(eq=False)
+class Rejoin:
+    """The callers of a merge key's flights that ended, and whether they come back soon with
+    their next put."""
 
-    def __init__(self) -> None:
+    owed: set[Hashable] = dataclasses.field(default_factory=set)
+    """Callers of the flights that ended that have not put again since."""
+    ended: float = 0.0
+    """When the last of those flights ended (``time.monotonic``)."""
+    flight: float = 0.0
+    """How long the key's flights take, smoothed (``SMOOTHING``)."""
+    quick: bool = False
+    """The callers owed last time were all back within the window: the next ones are waited
+    for."""
+    back: asyncio.Future[None] | None = None
+    """Where the put waiting for them waits; resolved when the last one is back."""
+
+
+class Flights:
+    """The puts of each merge key in flight, the one put of a key that waits for one of them to
+    end, and the callers of the flights that ended (:class:`Rejoin`). Used from one event loop.
+
+    Waiting for a flight alone splits callers that put again a little while after their put
+    returned (an agent loop's rollouts, each ending at a random time): the first one back finds
+    nothing in flight and goes alone, the others come back while it flies, wait for it and go
+    together, and from then on the two groups take turns, each waiting for the other's flight —
+    twice the flights for the same rows, each as long as the queue at the storage unit: half the
+    rows a second. So, with a ``fraction`` above 0, the put that goes first after a flight ended
+    also waits, at most ``fraction`` of a flight's time, until every caller of the flights that
+    ended has put again — but only when no fewer of them are owed than puts wait to go, and those
+    owed the last time were all back within that window: a loop of rollouts that end soon after
+    their put returned. Callers that do not put again (a task per rollout, ended with its put) or
+    only much later (rollouts that take longer than a put) are not waited for, nor is a lone
+    caller putting in a loop: its own next put pays what it owes."""
+
+    def __init__(self, fraction: float = 0.0) -> None:
         self._count: dict[Hashable, int] = {}
         self._ended: dict[Hashable, asyncio.Future[None]] = {}
+        self._fraction = fraction
+        self._rejoin: dict[Hashable, Rejoin] = {}
+        self._sweep_at = SWEEP_AT  # entries at which those of idle keys are dropped
 
     async def below(self, key: Hashable, limit: int) -> None:
         """Return once fewer than ``limit`` puts of ``key`` are in flight."""
@@ -157,10 +198,44 @@ class Flights:
                 ended = self._ended[key] = asyncio.get_running_loop().create_future()
             await ended
 
+    def issued(self, key: Hashable, caller: Hashable) -> None:
+        """``caller`` issued a put of ``key``: it is owed no more."""
+        r = self._rejoin.get(key)
+        if r is None or caller not in r.owed:
+            return
+        r.owed.discard(caller)
+        if r.owed:
+            return
+        r.quick = time.monotonic() - r.ended <= self._fraction * r.flight
+        if r.back is not None and not r.back.done():
+            r.back.set_result(None)
+
+    async def rejoined(self, key: Hashable, waiting: int) -> None:
+        """Return once every caller of the ended flights of ``key`` has put again, or the window
+        after the last one's end has passed; at once unless no fewer callers are owed than the
+        ``waiting`` puts and the ones owed last time were back in time."""
+        r = self._rejoin.get(key)
+        if r is None or not r.owed or len(r.owed) < waiting or not r.quick:
+            return
+        left = r.ended + self._fraction * r.flight - time.monotonic()
+        if left > 0:
+            loop = asyncio.get_running_loop()
+            back = r.back = loop.create_future()
+            timer = loop.call_later(left, _resolve, back)
+            try:
+                await back
+            finally:
+                timer.cancel()
+        if r.owed:  # not all back in time: not waited for the next time
+            r.owed.clear()
+            r.quick = False
+
     @contextlib.contextmanager
-    def flying(self, key: Hashable) -> Iterator[None]:
-        """A put of ``key`` in flight for the block; its end wakes the put waiting to follow."""
+    def flying(self, key: Hashable, callers: Iterable[Hashable] = ()) -> Iterator[None]:
+        """A put of ``key`` for the puts of ``callers`` in flight for the block; its end wakes
+        the put waiting to follow and owes its callers."""
         self._count[key] = self._count.get(key, 0) + 1
+        began = time.monotonic()
         try:
             yield
         finally:
@@ -170,3 +245,37 @@ class Flights:
             ended = self._ended.pop(key, None)
             if ended is not None and not ended.done():
                 ended.set_result(None)
+            if self._fraction > 0:
+                self._owe(key, callers, time.monotonic() - began)
+
+    def _owe(self, key: Hashable, callers: Iterable[Hashable], took: float) -> None:
+        now = time.monotonic()
+        r = self._rejoin.get(key)
+        if r is None:
+            r = self._rejoin[key] = Rejoin(flight=took)
+        elif r.owed and now - r.ended > self._fraction * r.flight:  # not back in time
+            r.owed.clear()
+            r.quick = False
+        r.owed.update(c for c in callers if c is not None)
+        r.ended = now
+        r.flight += SMOOTHING * (took - r.flight)
+        if len(self._rejoin) > self._sweep_at:  # keys gone idle (a partition done with)
+            idle = [
+                k
+                for k, e in self._rejoin.items()
+                if k not in self._count and (not e.quick or now - e.ended > 10 * e.flight)
+            ]
+            for k in idle:
+                del self._rejoin[k]
+            self._sweep_at = max(SWEEP_AT, 2 * len(self._rejoin))
+
+
+SWEEP_AT = 16
+"""Keys remembered (:class:`Rejoin`) before those of idle keys are dropped."""
+SMOOTHING = 0.25
+"""The weight of a flight's time in its key's smoothed one."""
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

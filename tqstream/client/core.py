@@ -177,7 +177,7 @@ class ClientCore:
         self._placed: set[str] = set()  # partitions whose puts the controller must place
         self._paired: set[str] = set()  # partitions of two copies: one-exchange puts go in pairs
         self._coalescing: dict[Hashable, list[coalesce.Pending]] = {}  # puts about to be sent
-        self._flights = coalesce.Flights()  # coalesced puts in flight, by merge key
+        self._flights = coalesce.Flights(config.coalesce_rejoin)  # coalesced puts in flight
         self._consuming: list[tuple[Ack | Release, asyncio.Future[int]]] | None = None  # acks
 
     @classmethod
@@ -364,11 +364,16 @@ class ClientCore:
 
     # --- writes ---
     async def put(
-        self, req: PreparePut, columns: dict[str, Column] | Deferred, coalesce: bool = True
+        self,
+        req: PreparePut,
+        columns: dict[str, Column] | Deferred,
+        coalesce: bool = True,
+        caller: Hashable = None,
     ) -> BatchMeta:
         """Store a put's rows; with ``coalesce`` (and ``coalesce_window`` not None) together with
         the puts issued with it (``coalesce.py``), its columns encoded with theirs if they are
-        not yet (``deferred.py``)."""
+        not yet (``deferred.py``). ``caller``: the task or thread making it, whose next put
+        the coalesced puts after this one may wait for (``coalesce.Flights``)."""
         partition = req.partition
         if req.n_rows == 0:  # every row was rejected: count them, store nothing
             await self._ask(CountRejected(rid=0, partition=partition, count=req.rejected), Ok)
@@ -377,7 +382,7 @@ class ClientCore:
         direct = req.nbytes < self.config.direct_put_bytes and self.unit_addresses
         if direct and partition not in self._placed:
             if coalesce and self.config.coalesce_window is not None and req.shapes is None:
-                return await self._coalesced(req, columns)
+                return await self._coalesced(req, columns, caller)
             return await self._put_one(*encoded(req, columns))
         return await self._put_placed(*encoded(req, columns))
 
@@ -442,15 +447,19 @@ class ClientCore:
                 return [first, unit]
         return None
 
-    async def _coalesced(self, req: PreparePut, columns: dict[str, Column] | Deferred) -> BatchMeta:
+    async def _coalesced(
+        self, req: PreparePut, columns: dict[str, Column] | Deferred, caller: Hashable
+    ) -> BatchMeta:
         """Send the put with the others issued with it (``coalesce.py``); its own rows back. The
-        first put of a merge key waits a loop turn (or the window) for the others to join, and
-        while puts of its key are in flight to every unit they go to, for one of them to end;
-        then it sends them all."""
+        first put of a merge key waits a loop turn (or the window) for the others to join, while
+        puts of its key are in flight to every unit they go to, for one of them to end, and then
+        for the callers of those that ended to put again when they do that quickly; then it
+        sends them all."""
         loop = asyncio.get_running_loop()
         key = coalesce.merge_key(req)
         answer: asyncio.Future[BatchMeta] = loop.create_future()
-        mine = coalesce.Pending(req, columns, answer)
+        mine = coalesce.Pending(req, columns, answer, caller)
+        self._flights.issued(key, caller)
         waiting = self._coalescing.get(key)
         if waiting is not None:  # the first one sends it
             waiting.append(mine)
@@ -459,6 +468,7 @@ class ClientCore:
         try:
             await asyncio.sleep(self.config.coalesce_window or 0.0)
             await self._flights.below(key, self._units_in_turn())
+            await self._flights.rejoined(key, len(self._coalescing[key]))
         except BaseException:
             answer.cancel()  # cancelled before anything was sent: this put is not made
             raise
@@ -472,7 +482,7 @@ class ClientCore:
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
         if len(puts) == 1 and puts[0] is mine:
-            with self._flights.flying(key):
+            with self._flights.flying(key, (caller,)):
                 return await self._put_one(*encoded(req, columns))
         return await answer
 
@@ -483,7 +493,7 @@ class ClientCore:
 
     async def _put_batch(self, key: Hashable, puts: list[coalesce.Pending]) -> None:
         """One put for ``puts``; refused, each is made on its own (its own answer)."""
-        with self._flights.flying(key):
+        with self._flights.flying(key, (p.caller for p in puts)):
             await self._put_merged(puts)
 
     async def _put_merged(self, puts: list[coalesce.Pending]) -> None:
