@@ -212,8 +212,11 @@ class ZmqProducer(Producer):
     Rollouts in flight (``async_put``, on a ``zmq.asyncio`` socket of its own) coalesce as
     tqstream's client does, with none of its work: one message in flight at a time, and the puts
     issued meanwhile (or in the same loop turn) go together as the next one, their trajectories
-    concatenated; each caller returns with that message's reply. ``TQSTREAM_BENCH_ZMQ_COALESCE=0``
-    sends each put as a message of its own instead (pipelined: the store answers in order)."""
+    concatenated — after waiting, as tqstream's client does, for the callers of the message that
+    returned to put again when they came back fast before (its ``Flights``, with the client's
+    ``coalesce_rejoin``: ``TQSTREAM_COALESCE_REJOIN=0`` turns it off here too); each caller
+    returns with that message's reply. ``TQSTREAM_BENCH_ZMQ_COALESCE=0`` sends each put as a
+    message of its own instead (pipelined: the store answers in order)."""
 
     def __init__(self, endpoint: str) -> None:
         import zmq
@@ -225,7 +228,11 @@ class ZmqProducer(Producer):
         self.sock.connect(endpoint)
         self.asock: Any = None  # made on the first async_put
         self.coalesce = os.environ.get("TQSTREAM_BENCH_ZMQ_COALESCE", "1") != "0"
-        self.waiting: list[tuple[Trajectories, asyncio.Future[None]]] = []
+        from tqstream.client.coalesce import Flights
+        from tqstream.config import ClientConfig, from_env
+
+        self.flights = Flights(from_env(ClientConfig).coalesce_rejoin)
+        self.waiting: list[tuple[Trajectories, asyncio.Future[None], Any]] = []
         self.sending = False
         self.keys = itertools.count()
         self.prefix = f"{os.getpid()}:".encode()
@@ -255,8 +262,10 @@ class ZmqProducer(Producer):
         if not self.coalesce:
             await self._exchange(item)
             return
+        caller = asyncio.current_task()
+        self.flights.issued(None, caller)
         done = asyncio.get_running_loop().create_future()
-        self.waiting.append((item, done))
+        self.waiting.append((item, done, caller))
         if not self.sending:
             self.sending = True
             asyncio.get_running_loop().create_task(self._send_waiting())
@@ -266,20 +275,22 @@ class ZmqProducer(Producer):
         try:
             while self.waiting:
                 await asyncio.sleep(0)  # the puts of this loop turn join
+                await self.flights.rejoined(None, len(self.waiting))
                 batch, self.waiting = self.waiting, []
-                items = [item for item, _ in batch]
+                items = [item for item, _, _ in batch]
                 merged = Trajectories(
                     {name: [t for x in items for t in x.ragged[name]] for name in RAGGED},
                     torch.cat([x.rewards for x in items]),
                 )
-                try:
-                    await self._exchange(merged)
-                except Exception as exc:
-                    for _, done in batch:
-                        done.set_exception(exc)
-                else:
-                    for _, done in batch:
-                        done.set_result(None)
+                with self.flights.flying(None, [caller for _, _, caller in batch]):
+                    try:
+                        await self._exchange(merged)
+                    except Exception as exc:
+                        for _, done, _ in batch:
+                            done.set_exception(exc)
+                    else:
+                        for _, done, _ in batch:
+                            done.set_result(None)
         finally:
             self.sending = False
 
