@@ -472,9 +472,10 @@ class Launched:
             raise RuntimeError(f"tqstream-launch {' '.join(args)} did not start: {line}"
                                f"{self.log.read()[-3000:]}")  # fmt: skip
         self.address = line.split()[3]
+        self.pids = self._children()
+        """The servers' pids: the controller first, then the storage units."""
 
-    def servers(self) -> list[int]:
-        """The pids of the launcher's children: the controller first, then the storage units."""
+    def _children(self) -> list[int]:
         children = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             with contextlib.suppress(OSError):
@@ -583,7 +584,7 @@ class TQStream(TaskSystem):
         if hasattr(self, "cluster"):
             pids = [p.pid for p in self.cluster.procs]
         elif hasattr(self, "launched"):
-            pids = self.launched.servers()
+            pids = self.launched.pids
         else:
             return None
         seconds = [cpu_seconds(pid) for pid in pids]

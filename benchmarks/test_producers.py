@@ -5,7 +5,8 @@ its trajectory then (``_workload.Producers``) — while one consumer in the benc
 batches of 256 rows and acks them. A round is the exchange of a fixed number of rows (2048
 trajectories, 4096 rows in groups, 8192 in the agent-loop pair), from the producers' common start
 to the last batch acked, so rows / round time is the sustained rate; ``first_put_s`` is how long
-after the start the first put began, ``first_put_to_last_ack_s`` the exchange counted from it.
+after this process left the start barrier the first put began (a few ms either way: the processes
+leave it one after the other), ``first_put_to_last_ack_s`` the exchange counted from that put.
 Producers time each of their own puts and send the times back: p50 / p99 go into ``extra_info``,
 with the CPU time each side used during the timed rounds, per row (user + system, every thread):
 ``producers_cpu_us_per_row`` (their trajectories' building included where it is timed),
@@ -823,7 +824,7 @@ class Exchange:
     cpu: dict[str, float] = dataclasses.field(default_factory=dict)
     started: float = 0.0  # time.monotonic() at the common start
     acked: float = 0.0  # ... once the last batch was acked
-    first_put: float = 0.0  # seconds from the common start to the first put (finish())
+    first_put: float = 0.0  # from started to the first put (finish()); < 0: a producer was first
 
     @property
     def seed(self) -> int:
