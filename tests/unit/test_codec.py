@@ -35,8 +35,10 @@ DTYPES = [
 ] + [getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)]  # fmt: skip
 
 
-def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    t = torch.randn(shape, dtype=torch.float64) * 50
+def sample(
+    dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator | None = None
+) -> torch.Tensor:
+    t = torch.randn(shape, generator=gen, dtype=torch.float64) * 50
     if dtype.is_complex:
         return torch.complex(t, -t).to(dtype)
     if dtype == torch.bool:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_codec import sample
 
 from tqstream.client import versions
 from tqstream.client.versions import row_versions
@@ -32,18 +33,6 @@ from tqstream.types import FieldSchema
 
 ALL = list(DTYPES.values())
 INTEGERS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
-
-
-def sample(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    t = torch.randn(shape, generator=gen, dtype=torch.float64) * 50
-    if dtype.is_complex:
-        return torch.complex(t, -t).to(dtype)
-    if dtype == torch.bool:
-        return t > 0
-    if not dtype.is_floating_point:
-        t = t.abs() if str(dtype).startswith("torch.uint") else t
-        return t.to(torch.int64).to(dtype)
-    return t.to(dtype)
 
 
 @st.composite

@@ -206,16 +206,15 @@ class Consumption(Mapping[str, TaskState]):
         holds them."""
         for v in self.views.values():
             v.forget(ids if bulk is None else bulk)
-        leasing = bulk is not None and any(t.leased for t in self._tasks.values())
-        gone = set(ids) if leasing else None
+        gone: set[int] | None = None  # many rows: taken out of each task's leases by one set
         for t in self._tasks.values():
-            if t.leased:
-                if gone is None:
-                    for rid in ids:
-                        t.leased.pop(rid, None)
-                else:
-                    for rid in t.leased.keys() & gone:
-                        del t.leased[rid]
+            if t.leased and bulk is None:
+                for rid in ids:
+                    t.leased.pop(rid, None)
+            elif t.leased:
+                gone = set(ids) if gone is None else gone
+                for rid in t.leased.keys() & gone:
+                    del t.leased[rid]
             if t.n_acked:
                 if bulk is not None:
                     t.unmark_all(bulk)

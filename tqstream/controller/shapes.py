@@ -36,10 +36,8 @@ class FieldShapes:
             self._nest()
             assert self.per_row is not None
             self.per_row.update(zip(ids, shapes, strict=True))
-        elif self.per_row is not None:
-            self.per_row.update((rid, given.shape or ()) for rid in ids)
-        elif self.ids and self.shape != given.shape:
-            self._nest()
+        elif self.per_row is not None or (self.ids and self.shape != given.shape):
+            self._nest()  # rows of another shape: each row's kept
             assert self.per_row is not None
             self.per_row.update((rid, given.shape or ()) for rid in ids)
         else:
