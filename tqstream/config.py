@@ -106,9 +106,30 @@ class ControllerConfig(_ServerConfig):
     max_rows: int = 0
     """Rows the cluster holds at most, over every partition (rows being put included); a put or
     keyed write that would exceed it raises CapacityError. 0: no cap."""
+    durability: str = "off"
+    """What a controller's death may lose (docs/faults.md): ``"off"``, everything (it is not
+    restarted); ``"batched"``, nothing a client was told: every state change is written to the
+    journal before its reply leaves, fsynced at most every ``fsync_interval`` (a machine's crash
+    loses that much); ``"sync"``, nothing even then (fsync before the reply). With ``batched`` and
+    ``sync`` a controller that dies is restarted at its address, replays its journal, and clients
+    carry on; they need ``journal``."""
+    journal: str = ""
+    """Directory of the controller's journal (made if missing; one cluster's alone), needed with
+    ``durability`` ``batched`` or ``sync``; a controller started on a journal resumes its state."""
+    fsync_interval: float = 0.005
+    """``durability="batched"``: seconds between the journal's fsyncs at most."""
+    snapshot_records: int = 200_000
+    """Journal records after which the controller writes a snapshot of its state and starts a
+    fresh journal: what a restart replays at most."""
 
     def __post_init__(self) -> None:
         _check(self, "controller")
+        if self.durability != "off" and not self.journal:
+            raise ConfigError(
+                f"durability={self.durability!r} needs a journal directory: pass journal=DIR "
+                f"(tqstream-launch --journal DIR, TQSTREAM_JOURNAL)",
+                setting="journal",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +185,10 @@ class ClientConfig:
     called it) to put again — an agent loop's rollouts ending at random times — when they came
     back that fast the last time and no fewer are owed than wait (docs/architecture.md); 0:
     never."""
+    reconnect_timeout: float = 60.0
+    """Seconds a request waits for a controller that went away to come back (a controller with a
+    journal is restarted and carries on; docs/faults.md) before raising ControllerUnavailableError;
+    requests in flight are sent again once it is back, and each is carried out once."""
 
     def __post_init__(self) -> None:
         _check(self, "")
@@ -399,7 +424,11 @@ _PORTS = ("port", "metrics_port")
 _ARTICLED: dict[type, str] = {float: "a number", int: "an int"}
 
 
-_CHOICES = {"shared_memory": ("auto", "off"), "locality": ("host", "off")}
+_CHOICES = {
+    "shared_memory": ("auto", "off"),
+    "locality": ("host", "off"),
+    "durability": ("off", "batched", "sync"),
+}
 
 
 def _check(config: Any, component: str) -> None:

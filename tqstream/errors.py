@@ -28,6 +28,7 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "ConnectionLostError",
+    "ControllerUnavailableError",
     "DuplicateKeyError",
     "DurabilityWarning",
     "FieldExistsError",
@@ -280,6 +281,14 @@ class ConnectionLostError(TQStreamError, ConnectionError):
     """The connection to a server dropped while requests were in flight."""
 
     code = "connection_lost"
+
+
+class ControllerUnavailableError(ConnectionLostError):
+    """The controller went away and did not come back within ``ClientConfig.reconnect_timeout``
+    (a controller with a journal is restarted and carries on: docs/faults.md); the request was
+    not answered. ``details['address']`` names the controller."""
+
+    code = "controller_unavailable"
 
 
 class UnitLostError(TQStreamError, ConnectionError):

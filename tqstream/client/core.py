@@ -199,6 +199,10 @@ class ClientCore:
             if conn.welcome.server != "controller":
                 conn.close()
                 raise not_a_controller(address, conn.welcome)
+            # a controller with a journal is restarted if it dies: wait for it, and send the
+            # requests in flight again (it answers each once)
+            conn.resend = conn.welcome.durable
+            conn.reconnect_timeout = config.reconnect_timeout
         except BaseException:
             if own is not None:
                 own.destroy(linger=0)

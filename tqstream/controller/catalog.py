@@ -9,7 +9,7 @@ freed.
 
 from __future__ import annotations
 
-import secrets
+import hashlib
 from collections.abc import Callable, Sequence
 
 from tqstream.controller.partition import Partition
@@ -71,9 +71,13 @@ class Catalog:
             )
         p = self.partitions.get(name)
         if p is None:
-            p = self.partitions[name] = Partition(name, f"{secrets.token_hex(4)}-")
+            born = next(self.ids)  # leases with smaller ids belong to an earlier incarnation
+            # each incarnation's keys differ from an earlier one's; derived, not drawn: a
+            # journal's replay makes the same
+            prefix = hashlib.blake2b(f"{name}/{born}".encode(), digest_size=4).hexdigest()
+            p = self.partitions[name] = Partition(name, f"{prefix}-")
             p.next_row = self.next_rows.get(name, 0)
-            p.born = next(self.ids)  # leases with smaller ids belong to an earlier incarnation
+            p.born = born
         p.declare(fields)
         if tasks is not None:
             p.registered = list(dict.fromkeys(tasks))

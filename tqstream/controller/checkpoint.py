@@ -78,6 +78,8 @@ class Service(Protocol):
 
     def _apply(self, effects: Effects) -> list[asyncio.Task[Any]]: ...
     def _rearm(self) -> None: ...
+    def _clock(self) -> float: ...
+    async def _loaded(self) -> None: ...
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -121,7 +123,7 @@ class Checkpoints:
             metadata = _metadata(msg.metadata)
             _check_target(path)
             s = self.service.state
-            taken = snapshot.take(s, asyncio.get_running_loop().time())
+            taken = snapshot.take(s, self.service._clock())
             tmp = f"{path}.tmp-{secrets.token_hex(4)}"
             jobs = {
                 unit: asyncio.ensure_future(self._save_unit(unit, tmp, taken, msg.timeout))
@@ -238,13 +240,14 @@ class Checkpoints:
                 for unit, result in zip(jobs, results, strict=True):
                     if isinstance(result, BaseException):
                         raise self._unit_failed(unit, f"load its files of {path}", result, path)
-                now = asyncio.get_running_loop().time()
-                effects = restore.install(s, ready, now, empty)  # one step, with the check above
+                # one step, with the check above
+                effects = restore.install(s, ready, self.service._clock(), empty)
             except BaseException:
                 await asyncio.shield(self._unload(snap, fence))
                 raise
             self.service._apply(effects)  # gets waiting on a replaced empty partition fail
             self.service._rearm()  # the restored ttls
+            await self.service._loaded()  # a restart must not replay the load: a snapshot
         finally:
             self.running = None
         summary = CheckpointSummary(

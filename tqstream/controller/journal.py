@@ -233,6 +233,11 @@ class Journal:
             self._loop.call_soon(self.flush)
         return self._seq
 
+    @property
+    def pending(self) -> bool:
+        """Whether a record appended is not durable yet (a reply that follows it must wait)."""
+        return self._seq > self._durable and self.degraded is None and not self._closed
+
     def durable(self, seq: int | None = None) -> asyncio.Future[bool] | None:
         """The future of record ``seq``'s batch (default: the last appended), True once it is
         durable, False if it never will be (the journal degraded); None when there is nothing to

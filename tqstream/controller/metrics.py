@@ -83,8 +83,10 @@ class Sample:
         server: Server,
         drop_failures: int,
         metrics: Metrics,
+        journal: Any = None,
     ) -> None:
         self.stats = stats
+        self.journal = None if journal is None else journal.stats()  # JournalStats
         self.latency = {op: (list(h.counts), h.sum) for op, h in metrics.latency.items()}
         self.errors = dict(metrics.errors)
         self.parked_puts: dict[str, int] = {}
@@ -361,6 +363,32 @@ def _families(s: Sample, started: float) -> Iterator[Metric]:
     for (op, code), n in sorted(s.errors.items()):
         fam.add_metric([op, error_class(code).__name__], n)
     yield fam
+    if s.journal is not None:
+        yield from _journal(s.journal)
+
+
+def _journal(j: Any) -> Iterator[Metric]:
+    """The journal's families (a controller with ``durability`` other than ``off``)."""
+    yield GaugeMetricFamily(
+        "tqstream_journal_degraded",
+        "1 while the journal cannot be written (disk full, an I/O error): replies are not durable "
+        "until a snapshot makes it whole again; 0 when it is.",
+        value=int(bool(j.degraded)),
+    )
+    for name, doc, value in (
+        ("records", "Records appended to the journal since the controller started.", j.records),
+        ("bytes", "Bytes written to the journal since the controller started.", j.bytes),
+        ("writes", "Batches written to the journal (one write each).", j.writes),
+        ("fsyncs", "Fsyncs of the journal.", j.fsyncs),
+        ("lost_records", "Records the journal failed to write (degraded).", j.lost),
+        ("snapshots", "Snapshots written (each starts a fresh journal).", j.rebases),
+    ):
+        yield CounterMetricFamily(f"tqstream_journal_{name}", doc, value=value)
+    yield GaugeMetricFamily(
+        "tqstream_journal_replay_bytes",
+        "Bytes of journal after the newest snapshot: what a restart replays.",
+        value=j.journal_bytes,
+    )
 
 
 def _labelled(fam: GaugeMetricFamily, values: dict[str, int]) -> GaugeMetricFamily:

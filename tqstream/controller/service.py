@@ -16,17 +16,30 @@ requests, leases, uncommitted puts, admission slots) is given back at once.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from tqstream.config import ControllerConfig
+from tqstream.controller import links, recovery
 from tqstream.controller.checkpoint import Checkpoints
+from tqstream.controller.durable import (
+    EXPIRE,
+    PEER_GONE,
+    UNIT_DOWN,
+    UNIT_UP,
+    Durable,
+    Tracked,
+    journaled,
+)
 from tqstream.controller.state import ControllerState, Effects
+from tqstream.controller.stored import Stored
 from tqstream.errors import InvalidRequestError, TQStreamError
 from tqstream.protocol.auth import load_keys
 from tqstream.protocol.connection import Connection
@@ -53,7 +66,6 @@ from tqstream.protocol.messages import (
     GetByKeys,
     GetMeta,
     GetStats,
-    GetUnitStats,
     KeysReply,
     ListKeys,
     ListRows,
@@ -75,15 +87,11 @@ from tqstream.protocol.messages import (
     SaveCheckpoint,
     Slots,
     StatsReply,
-    StoredReply,
-    StoredResults,
-    UnitStatsReply,
     UnitStopping,
     UpsertRows,
 )
 from tqstream.protocol.server import Responder, Server
 from tqstream.protocol.transport import error_reply, shared_context
-from tqstream.types import Stats, UnitStats
 
 if TYPE_CHECKING:
     from tqstream.controller.metrics import Metrics, Sample
@@ -91,41 +99,7 @@ if TYPE_CHECKING:
 __all__ = ["ControllerService"]
 
 _log = logging.getLogger("tqstream.controller")
-
-
-class _StoredResults:
-    """The answer to a unit's ``PutStored``: one result per put, sent once all are in (a put that
-    waits for room is answered later through the effects, like a waiting ``PreparePut``)."""
-
-    def __init__(self, responder: Responder, n: int) -> None:
-        self.responder = responder
-        self.results: list[StoredReply | ErrorReply | None] = [None] * n
-        self.left = n
-
-    def part(self, i: int) -> _StoredPart:
-        return _StoredPart(self, i)
-
-    def done(self, i: int, result: StoredReply | ErrorReply) -> None:
-        self.results[i] = result
-        self.left -= 1
-        if not self.left:
-            results = [r for r in self.results if r is not None]
-            self.responder.reply(StoredResults(rid=self.responder.rid, results=results))
-
-
-class _StoredPart:
-    """One put of a ``PutStored``: answered like a request (``reply``/``fail``, see Responder)."""
-
-    __slots__ = ("i", "owner", "rid")
-
-    def __init__(self, owner: _StoredResults, i: int) -> None:
-        self.owner, self.i, self.rid = owner, i, 0
-
-    def reply(self, msg: Any) -> None:
-        self.owner.done(self.i, msg)
-
-    def fail(self, exc: BaseException) -> None:
-        self.owner.done(self.i, error_reply(exc, "the controller failed on a stored put"))
+_RETRY = 5.0  # seconds between snapshots tried while the journal is degraded
 
 
 class ControllerService:
@@ -141,6 +115,13 @@ class ControllerService:
             replicas=config.replicas,
             max_rows=config.max_rows,
         )
+        self.durable: Durable | None = None
+        if config.durability != "off":  # opened first: it says which cluster this is
+            self.durable = Durable(config.journal, config.durability, config.fsync_interval,
+                                   config.snapshot_records)  # fmt: skip
+        # the wall clock, read through the loop's: deadlines mean the same in a restarted process
+        self._skew = time.time() - time.monotonic()
+        self._replay_now: float | None = None  # the time of the record being replayed
         self.metrics: Metrics | None = None
         if config.metrics_port:  # first: the socket below would stay bound if this failed
             from tqstream.controller.metrics import Metrics  # prometheus-client: only if asked
@@ -161,22 +142,30 @@ class ControllerService:
                 inproc=inproc,
                 on_disconnect=self._peer_gone,
                 keys=self.keys,
-                cluster=secrets.token_hex(8),
+                cluster=secrets.token_hex(8) if self.durable is None else self.durable.cluster,
+                journal=None if self.durable is None else self.durable.journal,
             )
+            if self.durable is not None:
+                self.durable.journal.on_degraded = self._degraded
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()
+            if self.durable is not None:
+                self.durable.close()
             raise
         if self.metrics is not None:
             self.server.observe = self.metrics.observe
         self.units: list[Connection] = []
         self.inproc_units: list[str] = []
         self.unit_shm: list[str] = []  # each unit's shared-memory token ("" without)
+        self.unit_boot: list[str] = []  # each unit's process ("" if it does not say)
+        self._orders: list[tuple[int, Any]] | None = None  # drop orders held while replaying
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping: set[int] = set()  # units that said they were told to stop
         self._started = time.monotonic()
+        self._closing = False
         self.drop_failures = 0
         self.checkpoints = Checkpoints(self)
 
@@ -193,11 +182,24 @@ class ControllerService:
         if self.metrics is not None:
             self.metrics.loop = asyncio.get_running_loop()
         try:
+            if self.durable is not None and self.durable.to_replay is not None:
+                await self._recover()
             await self.server.serve()
         finally:
             await self.close()
 
+    def _clock(self) -> float:
+        """Now, on the wall clock (the time of the record being replayed, while replaying)."""
+        if self._replay_now is not None:
+            return self._replay_now
+        return asyncio.get_running_loop().time() + self._skew
+
+    @property
+    def server_closed(self) -> bool:
+        return self._closing
+
     async def close(self) -> None:
+        self._closing = True
         if self._timer is not None:
             self._timer.cancel()
         for t in list(self._tasks):
@@ -209,10 +211,47 @@ class ControllerService:
         if self.metrics is not None:
             metrics, self.metrics = self.metrics, None
             await metrics.aclose()
+        if self.durable is not None:
+            self.durable.close()
 
     # --- dispatch ---
     def handle(self, msg: Any, frames: list[Any], responder: Responder) -> Any:
-        now = asyncio.get_running_loop().time()
+        d = self.durable
+        if d is None or not journaled(msg):
+            return self._handle(msg, responder, self._clock())
+        key = (responder.peer, msg.rid)
+        if d.answers.seen(key, responder):  # sent again: answered as the first time
+            return None
+        now = self._clock()
+        d.request(now, responder.peer, msg.rid, frames[0].buffer)
+        tracked = Tracked(responder, d.answers)
+        d.answers.start(key, tracked)
+        try:
+            result = self._handle(msg, tracked, now)
+        except BaseException:
+            d.answers.forget(key)  # it changed nothing: sent again, it runs again
+            raise
+        finally:
+            if d.due():
+                self._snapshot()
+        if inspect.isawaitable(result):
+            return self._kept(key, result)
+        if result is not None:
+            d.answers.done(key, result[0] if isinstance(result, tuple) else result)
+        return result
+
+    async def _kept(self, key: Any, work: Any) -> Any:
+        """A reply that comes later, kept for a request sent again."""
+        assert self.durable is not None
+        try:
+            result = await work
+        except BaseException:
+            self.durable.answers.forget(key)
+            raise
+        self.durable.answers.done(key, result[0] if isinstance(result, tuple) else result)
+        return result
+
+    def _handle(self, msg: Any, responder: Any, now: float) -> Any:
         s = self.state
         s.now = max(s.now, now)
         try:
@@ -224,7 +263,7 @@ class ControllerService:
                 case PreparePut():
                     return s.prepare_put(msg, now, responder)
                 case PutStored():
-                    results = _StoredResults(responder, len(msg.puts))
+                    results = Stored(responder, len(msg.puts))
                     for i, put in enumerate(msg.puts):
                         one = results.part(i)
                         handles: list[Any] = [one]
@@ -325,7 +364,7 @@ class ControllerService:
                 case GetStats():
                     return self._stats(msg.rid, msg.partition)
                 case RegisterUnit():
-                    return self._register(msg.rid, msg.address, msg.max_bytes, msg.inproc, msg.shm)
+                    return self._register(msg)
                 case UnitStopping():
                     self._stopping.add(msg.unit)
                     return Ok(rid=msg.rid, count=1)
@@ -373,6 +412,9 @@ class ControllerService:
         for partition, before in effects.drop_partitions:
             order = DropPartition(rid=0, partition=partition, before_chunk=before)
             jobs.extend((u, order) for u in range(len(self.units)))
+        if self._orders is not None:  # replaying: sent once the units are connected
+            self._orders.extend(jobs)
+            return []
         alive = self.state.units.alive
         # a lost unit's bytes are gone with it; a revived one drops them with its ResetUnit
         return [self._spawn(self._order(u, req)) for u, req in jobs if alive[u]]
@@ -413,9 +455,12 @@ class ControllerService:
             task.exception()  # retrieved: no "exception was never retrieved" noise
 
     # --- faults ---
-    def _event(self, change: Any) -> None:
-        """Apply a state change made outside a request (a unit or a peer went away)."""
-        now = asyncio.get_running_loop().time()
+    def _event(self, change: Any, kind: int = 0, *record: Any) -> None:
+        """Apply a state change made outside a request (a unit or a peer went away), journaled
+        as ``kind`` with ``record`` after the time."""
+        now = self._clock()
+        if self.durable is not None and kind:
+            self.durable.event(kind, now, *record)
         s = self.state
         s.now = max(s.now, now)
         try:
@@ -424,11 +469,11 @@ class ControllerService:
             self._rearm()
 
     def _peer_gone(self, peer: bytes) -> None:
-        self._event(lambda now: self.state.drop_peer(peer, now))
+        self._event(lambda now: self.state.drop_peer(peer, now), PEER_GONE, peer)
 
     def _unit_down(self, unit: int) -> None:
         before = self._lost_rows()
-        self._event(lambda now: self.state.lose_unit(unit, now))
+        self._event(lambda now: self.state.lose_unit(unit, now), UNIT_DOWN, unit)
         lost = self._lost_rows() - before
         address = self.state.units.addresses[unit]
         if unit in self._stopping:  # it said it was told to stop: a shutdown, not a fault
@@ -447,7 +492,7 @@ class ControllerService:
         )  # fmt: skip
 
     def _unit_up(self, unit: int) -> None:
-        self._event(lambda now: self.state.revive_unit(unit))
+        self._event(lambda now: self.state.revive_unit(unit), UNIT_UP, unit)
         _log.warning(
             "storage unit %d at %s is reachable again; it serves again, empty",
             unit, self.state.units.addresses[unit],
@@ -458,6 +503,8 @@ class ControllerService:
 
     # --- time ---
     def _rearm(self) -> None:
+        if self._orders is not None:  # replaying: armed once done
+            return
         at = self.state.next_deadline()
         if at == self._timer_at:
             return
@@ -466,11 +513,14 @@ class ControllerService:
             self._timer = None
         self._timer_at = at
         if at is not None:
-            self._timer = asyncio.get_running_loop().call_at(at, self._on_timer)
+            self._timer = asyncio.get_running_loop().call_at(at - self._skew, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = self._timer_at = None
-        self._apply(self.state.expire(asyncio.get_running_loop().time()))
+        now = self._clock()
+        if self.durable is not None:
+            self.durable.event(EXPIRE, now)
+        self._apply(self.state.expire(now))
         self._rearm()
 
     async def _sample(self) -> Sample:
@@ -479,68 +529,59 @@ class ControllerService:
 
         assert self.metrics is not None
         reply = await self._stats(0, None)
-        return Sample(reply.stats, self.state, self.server, self.drop_failures, self.metrics)
+        journal = None if self.durable is None else self.durable.journal
+        return Sample(
+            reply.stats, self.state, self.server, self.drop_failures, self.metrics, journal
+        )
 
     # --- units and stats ---
-    def _add_unit(self, address: str, max_bytes: int) -> int:
-        unit, effects = self.state.add_unit(address, max_bytes)
-        self._apply(effects)  # a lost unit registering again: it drops what it held
-        return unit
+    def _add_unit(
+        self, address: str, max_bytes: int, inproc: str, shm: str, boot: str,
+        conn: Connection | None = None,
+    ) -> int:  # fmt: skip
+        return links.add_unit(self, address, max_bytes, inproc, shm, boot, conn)
 
-    async def _register(
-        self, rid: int, address: str, max_bytes: int, inproc: str, shm: str
-    ) -> Registered:
-        if address in self.state.units.addresses:  # a restarted unit, or a repeated register
-            unit = self._add_unit(address, max_bytes)
-            self.unit_shm[unit] = shm  # a restarted unit's segments have a new token
-            return Registered(rid=rid, unit=unit)
-        conn = await Connection.open(
-            self.ctx,
-            inproc or address,
-            role="controller",
-            connect_timeout=self.config.connect_timeout,
-            heartbeat_interval=self.config.heartbeat_interval,
-            max_message_bytes=self.config.max_message_bytes,
-            keys=self.keys,
-        )
-        if address in self.state.units.addresses:  # registered twice at once: keep the first
-            conn.close()
-            unit = self._add_unit(address, max_bytes)
-            self.unit_shm[unit] = shm
-            return Registered(rid=rid, unit=unit)
-        unit = self._add_unit(address, max_bytes)
-        assert unit == len(self.units)
-        _log.info("storage unit %d registered at %s", unit, address)
-        conn.on_down = lambda: self._unit_down(unit)
-        conn.on_up = lambda: self._unit_up(unit)
-        self.units.append(conn)
-        self.inproc_units.append(inproc)
-        self.unit_shm.append(shm)
-        return Registered(rid=rid, unit=unit)
+    def _register(self, msg: RegisterUnit) -> Awaitable[Registered]:
+        return links.register(self, msg)
 
-    async def _stats(self, rid: int, partition: str | None) -> StatsReply:
-        parts = self.state.stats(partition)
+    def _stats(self, rid: int, partition: str | None) -> Awaitable[StatsReply]:
+        return links.stats(self, rid, partition)
 
-        async def one(i: int, conn: Connection) -> UnitStats:
-            if not self.state.units.alive[i]:
-                return UnitStats(
-                    address=self.state.units.addresses[i], bytes=0, chunks=0, rows=0, alive=False
-                )
-            try:
-                reply, _ = await conn.request(
-                    GetUnitStats(rid=0), timeout=self.config.storage_timeout
-                )
-                assert isinstance(reply, UnitStatsReply)
-                return reply.stats
-            except TQStreamError:
-                return UnitStats(
-                    address=self.state.units.addresses[i], bytes=-1, chunks=-1, rows=-1,
-                    alive=False,
-                )  # fmt: skip
+    # --- durability ---
+    async def _recover(self) -> None:
+        await recovery.recover(self)
 
-        units = await asyncio.gather(*(one(i, c) for i, c in enumerate(self.units)))
-        stats = Stats(
-            partitions=parts, units=list(units), admissions=self.state.admission_stats(),
-            uptime=time.monotonic() - self._started,
+    def _snapshot(self) -> asyncio.Task[bool]:
+        """Write a snapshot of the state: a restart replays the journal from here."""
+        assert self.durable is not None
+        units = list(zip(self.inproc_units, self.unit_shm, self.unit_boot, strict=True))
+        return self.durable.snapshot({"state": self.state, "units": units})
+
+    def _degraded(self, reason: str) -> None:
+        """The journal cannot write: try a snapshot again every few seconds until one lands."""
+        _log.error(
+            "the controller's journal is degraded (%s): it keeps serving, but what it tells "
+            "clients is not durable until a snapshot lands; retrying one every %gs",
+            reason, _RETRY,
         )  # fmt: skip
-        return StatsReply(rid=rid, stats=stats)
+        asyncio.get_running_loop().call_later(_RETRY, self._retry_snapshot)
+
+    def _retry_snapshot(self) -> None:
+        if self.durable is None or self.durable.journal.degraded is None or self.server_closed:
+            return
+        if not self.durable.journal.rebasing:
+            self._snapshot().add_done_callback(self._retried)
+        else:
+            asyncio.get_running_loop().call_later(_RETRY, self._retry_snapshot)
+
+    def _retried(self, task: asyncio.Task[bool]) -> None:
+        if task.cancelled() or task.exception() is not None or not task.result():
+            asyncio.get_running_loop().call_later(_RETRY, self._retry_snapshot)
+        else:
+            _log.warning("the controller's journal is whole again (a snapshot landed)")
+
+    async def _loaded(self) -> None:
+        """A checkpoint was loaded into the state: a snapshot stands for it (a restart does
+        not load it again)."""
+        if self.durable is not None:
+            await self._snapshot()

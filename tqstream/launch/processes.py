@@ -4,10 +4,12 @@ The launcher starts the controller, then the storage units (each registers with 
 prints one line with the connect address once all of them serve, and stays in the foreground. A
 storage unit that exits is started again at the same address (``--on-unit-exit restart``, the
 default; the controller has counted its rows lost, unless they had replicas, and the new process
-registers and takes new rows) or stops the cluster (``stop``). On SIGINT/SIGTERM, or if the
-controller dies, it stops every child (SIGTERM, then SIGKILL after a grace period) and exits; the
-children also exit on their own if the launcher dies (they watch a pipe from it), so no orphan
-keeps a port.
+registers and takes new rows) or stops the cluster (``stop``). A controller with a journal
+(``--durability batched|sync --journal DIR``) that exits is started again at its address: it
+replays its journal, the units stay, the clients' requests wait and are sent again
+(docs/faults.md). On SIGINT/SIGTERM, or if a controller without a journal dies, it stops every
+child (SIGTERM, then SIGKILL after a grace period) and exits; the children also exit on their own
+if the launcher dies (they watch a pipe from it), so no orphan keeps a port.
 
 Its flags are the cluster settings (``tqstream.config.cluster_settings``: one per field of the
 configuration dataclasses, with their docstrings as help), and each child gets its component's
@@ -100,6 +102,7 @@ class ProcessCluster:
         self.procs: list[subprocess.Popen[str]] = []
         self._prefixes: dict[int, list[str]] = {}  # unit -> the command it runs under
         self.restarts = 0
+        self.controller_restarts = 0
         self._log_level = log_level
         try:
             controller = self._spawn("controller", config.controller)
@@ -115,16 +118,41 @@ class ProcessCluster:
             self.close()
             raise
 
-    def restart_unit(self, i: int) -> str:
-        """Start storage unit ``i`` again (after it exited, or stop it first) at its address, so
-        clients and the controller find it where it was; returns the address."""
-        old = self.procs[i + 1]
+    @property
+    def durable(self) -> bool:
+        """Whether the controller has a journal (and is started again when it exits)."""
+        return self.config.controller.durability != "off"
+
+    def restart_controller(self) -> str:
+        """Start the controller again (after it exited, or stop it first) at its address, on its
+        journal: it carries on where it was (a controller with a journal only)."""
+        if not self.durable:
+            raise ConfigError(
+                "a controller without a journal cannot be restarted: it would start empty, its "
+                "units and clients knowing another state; start the cluster with --durability "
+                "batched --journal DIR",
+                setting="durability",
+            )
+        self._reap(0)
+        port = int(self.address.rsplit(":", 1)[1])
+        proc = self._spawn("controller", replace(self.config.controller, port=port), at=0)
+        self.address = self._ready(proc, "controller")
+        self.controller_restarts += 1
+        return self.address
+
+    def _reap(self, at: int) -> None:
+        old = self.procs[at]
         if old.poll() is None:
             old.kill()
         old.wait()
         for stream in (old.stdin, old.stdout):
             if stream is not None:
                 stream.close()
+
+    def restart_unit(self, i: int) -> str:
+        """Start storage unit ``i`` again (after it exited, or stop it first) at its address, so
+        clients and the controller find it where it was; returns the address."""
+        self._reap(i + 1)
         port = int(self.unit_addresses[i].rsplit(":", 1)[1])
         prefix = self._prefixes.get(i, ())
         proc = self._spawn("storage", replace(self.config.storage, port=port), at=i + 1,
@@ -310,6 +338,19 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         while not stop.wait(0.5):
+            if cluster.durable and cluster.procs[0].poll() is not None:
+                exit_code = cluster.procs[0].returncode
+                try:
+                    cluster.restart_controller()
+                except (RuntimeError, OSError) as exc:
+                    _log.error("the controller cannot restart: %s", exc)
+                    code = 1
+                    break
+                _log.warning(
+                    "the controller exited with code %s; restarted at %s on its journal",
+                    exit_code, cluster.address,
+                )  # fmt: skip
+                continue
             units = cluster.dead_units()
             if units and args.on_unit_exit == "restart" and cluster.procs[0].poll() is None:
                 if not _restart(cluster, units):

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from tqstream.errors import (
     ClosedError,
     ConnectError,
     ConnectionLostError,
+    ControllerUnavailableError,
     InternalError,
     MalformedMessageError,
     MessageTooLargeError,
@@ -49,6 +51,7 @@ from tqstream.protocol.transport import (
     _ENDPOINTS,
     POLLIN,
     POLLOUT,
+    RIDS,
     _events,
     _fd,
     _nbytes,
@@ -58,6 +61,7 @@ from tqstream.protocol.transport import (
     _socket,
     _version_error,
     error_from_reply,
+    routing_id,
 )
 
 __all__ = ["Connection", "not_a_controller"]
@@ -80,13 +84,23 @@ class Connection:
         heartbeat_interval: float,
         max_message_bytes: int,
         keys: Keys | None = None,
+        session: bytes = b"",
     ) -> None:
         self.address, self.role = address, role
         self.max_message_bytes = max_message_bytes
         self._limit = max_message_bytes  # min(ours, the server's) once welcomed
         self._connect_timeout = connect_timeout
-        self._rids = itertools.count(1)
+        self._session = session or os.urandom(16)
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        self.resend = False
+        """Send the requests in flight again when the connection is back after a drop, instead of
+        failing them (a controller with a journal answers each once: ``Welcome.durable``)."""
+        self.reconnect_timeout = 60.0
+        """With ``resend``: seconds the requests wait for the server to come back."""
+        self._sent: dict[int, list[Any]] = {}  # with resend: the frames of each request in flight
+        self._outage: asyncio.TimerHandle | None = None
+        self._down_since = 0.0
+        self._hello = 0  # the rid of the handshake sent again after a reconnect
         self._grace: dict[int, asyncio.TimerHandle] = {}  # requests sent while the link is down
         self._down = False
         self._ever_up = False
@@ -115,6 +129,8 @@ class Connection:
             if keys is not None and not self._inproc:  # inproc has no handshake (auth.py)
                 auth.connect_securely(sock, keys)
             sock.setsockopt(zmq.LINGER, 0)
+            # the same id on every reconnect: it names this client's session (server.py)
+            sock.setsockopt(zmq.ROUTING_ID, routing_id(self._session, next(_CONNECTIONS)))
             sock.setsockopt(zmq.SNDHWM, 0)  # requests queue while (re)connecting, never block
             sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
@@ -160,7 +176,8 @@ class Connection:
         and closes the socket on any failure. ``keys``: be a CURVE client of the cluster (a TCP
         address only). A failed ZMQ handshake (keys missing or not the server's) raises
         ``AuthenticationError`` at once."""
-        conn = cls(ctx, address, role, connect_timeout, heartbeat_interval, max_message_bytes, keys)
+        conn = cls(ctx, address, role, connect_timeout, heartbeat_interval, max_message_bytes, keys,
+                   session)  # fmt: skip
         try:
             hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role, session=session)
             try:
@@ -199,7 +216,7 @@ class Connection:
                 f"the connection to {self.address} is unusable: "
                 f"{type(self._broken).__name__}: {self._broken}"
             ) from self._broken
-        rid = next(self._rids)
+        rid = next(RIDS)
         msg = msgspec.structs.replace(msg, rid=rid)
         op, header = _op(msg), encode(msg)
         check_request(header, op)
@@ -222,12 +239,16 @@ class Connection:
         waits_here = not loop.is_running()
         timer = None
         if not waits_here:
-            if self._down:  # queued until ZMQ reconnects: wait for that at most connect_timeout
+            if self._down and not self.resend:  # queued until ZMQ reconnects: at most that long
                 self._grace[rid] = loop.call_later(self._connect_timeout, self._unreachable, rid)
             # a timer, not asyncio.wait_for: no extra task per request
             timer = None if timeout is None else loop.call_later(timeout, _expire, fut)
         try:
-            self._send([header, *buffers])
+            frames = [header, *buffers]
+            if self.resend:
+                self._sent[rid] = frames
+            if not (self.resend and self._down):  # else sent once the server is back
+                self._send(frames)
             reply, frames = self._wait(fut, rid, timeout) if waits_here else await fut
         except _Expired:
             raise RequestTimeoutError(
@@ -241,6 +262,7 @@ class Connection:
             if timer is not None:
                 timer.cancel()
             self._pending.pop(rid, None)
+            self._sent.pop(rid, None)
             grace = self._grace.pop(rid, None)
             if grace is not None:
                 grace.cancel()
@@ -265,7 +287,7 @@ class Connection:
         ``wake``, and handle what they bring as the loop's readers would."""
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
-        grace = now + self._connect_timeout if self._down else None
+        grace = self._grace_end(now) if self._down else None
         poller = self._poller
         if poller is None:
             poller = self._poller = zmq.Poller()
@@ -284,13 +306,23 @@ class Connection:
             now = time.monotonic()
             if fut.done():
                 break
+            if grace is None and self._down and self.resend:
+                grace = self._grace_end(now)  # dropped while waiting: the requests wait
             if grace is not None and not self._down:
                 grace = None  # reconnected
             elif grace is not None and now >= grace:
-                self._unreachable(rid)
+                if self.resend:
+                    self._gone()
+                else:
+                    self._unreachable(rid)
             elif deadline is not None and now >= deadline:
                 raise _Expired
         return fut.result()
+
+    def _grace_end(self, now: float) -> float:
+        if self.resend:
+            return (self._down_since or now) + self.reconnect_timeout
+        return now + self._connect_timeout
 
     def close(self) -> None:
         """Fail pending requests with ``ClosedError``, stop watching, close the sockets.
@@ -298,6 +330,8 @@ class Connection:
         if self._closed:
             return
         self._closed = True
+        if self._outage is not None:
+            self._outage.cancel()
         self._fail_all(
             ClosedError, "the connection to {address} was closed while waiting for {what}"
         )
@@ -367,6 +401,9 @@ class Connection:
                     text += f"tqstream protocol {PROTOCOL_VERSION} reply: {exc}"
                     fut.set_exception(MalformedMessageError(text))
                 continue  # without a known rid nobody waits for it
+            if reply.rid == self._hello and self._hello:
+                self._welcomed_again(reply)
+                continue
             entry = self._pending.get(reply.rid)
             if entry is not None and not entry[0].done():  # else: late (timed out) or unknown
                 if self._inproc and len(frames) > 1:  # they may alias the server's memory
@@ -391,11 +428,20 @@ class Connection:
                 for grace in self._grace.values():
                     grace.cancel()
                 self._grace.clear()
+                if was_down and self.resend:
+                    self._send_again()
                 if was_down and self.on_up is not None:
                     self.on_up()
             elif event == zmq.EVENT_DISCONNECTED:  # the pending replies died with the connection
-                self._down = True
-                self._fail_all(ConnectionLostError, _LOST)
+                was_down, self._down = self._down, True
+                if self.resend:  # they are sent again once the server is back
+                    if not was_down:
+                        self._down_since = time.monotonic()
+                        if self._loop.is_running() and self._outage is None:
+                            self._outage = self._loop.call_later(self.reconnect_timeout,
+                                                                 self._gone)  # fmt: skip
+                else:
+                    self._fail_all(ConnectionLostError, _LOST)
                 if self._ever_up and self.on_down is not None:
                     self.on_down()
 
@@ -430,6 +476,43 @@ class Connection:
                 f"tqstream server listens there; use {theirs}"
             )
         return text
+
+    def _send_again(self) -> None:
+        """The server is back: shake hands again (is it still the cluster it was?), then send
+        every request in flight again, in order (the server answers each once)."""
+        if self._outage is not None:
+            self._outage.cancel()
+            self._outage = None
+        self._down_since = 0.0
+        self._hello = next(RIDS)
+        hello = Hello(
+            rid=self._hello, protocol=PROTOCOL_VERSION, role=self.role, session=self._session
+        )
+        self._send([encode(hello)])
+        for rid in sorted(self._sent):
+            self._send(self._sent[rid])
+
+    def _welcomed_again(self, reply: Any) -> None:
+        self._hello = 0
+        mine = getattr(self, "welcome", None)
+        if mine is None or not isinstance(reply, Welcome) or reply.cluster == mine.cluster:
+            return
+        self._fail_all(
+            ControllerUnavailableError,
+            _literal(
+                f"the server at {self.address} is another cluster now ({reply.cluster!r}, not "
+                f"{mine.cluster!r}): it was restarted without its journal, so the requests in "
+                f"flight are not known there; connect a new client"
+            ),
+        )
+
+    def _gone(self) -> None:
+        """With ``resend``: the server did not come back within ``reconnect_timeout``."""
+        self._outage = None
+        if not self._down:
+            return
+        text = _GONE.replace("{t}", str(self.reconnect_timeout))
+        self._fail_all(ControllerUnavailableError, text)
 
     def _unreachable(self, rid: int) -> None:
         self._grace.pop(rid, None)
@@ -482,6 +565,12 @@ _LOST = (
     "may or may not have taken effect: retry once the server is back (the connection reconnects "
     "by itself)"
 )
+_GONE = (
+    "the server at {address} went away and did not come back within {t}s (reconnect_timeout) to "
+    "answer {what}; a controller with a journal is restarted by its deployment (tqstream-launch, "
+    "tqstream.ray): check that it runs"
+)
+_CONNECTIONS = itertools.count()
 _DOWN = (
     "connection to {address} is down and no server came back within {timeout}s (connect_timeout) "
     "to answer {what}; the server may have died: retry once it is back (the connection reconnects "

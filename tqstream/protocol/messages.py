@@ -137,8 +137,10 @@ class Welcome(_Msg, frozen=True, tag="welcome"):
     # units' shared-memory tokens (from the controller), "" where none: a client that reaches a
     # unit's token shares its host's /dev/shm, and puts there first (locality)
     unit_shm: list[str] = []
-    cluster: str = ""  # the controller's token for this run of the cluster ("" from a unit)
+    cluster: str = ""  # the controller's token for this cluster ("" from a unit)
     controller: str = ""  # a storage unit's controller address ("" from the controller)
+    durable: bool = False  # a controller with a journal: a client sends its requests again
+    boot: str = ""  # a storage unit's token for its process (a restarted unit has another)
 
 
 # --- controller requests ---
@@ -147,6 +149,7 @@ class RegisterUnit(_Msg, frozen=True, tag="register_unit"):
     max_bytes: Bytes = 0  # the unit's byte quota; 0: unlimited
     inproc: str = ""  # the unit's inproc:// address when it runs embedded
     shm: str = ""  # the unit's shared-memory token ("" without): which clients share its host
+    boot: str = ""  # the unit's token for its process: a restart at the address has another
 
 
 class UnitStopping(_Msg, frozen=True, tag="unit_stopping"):

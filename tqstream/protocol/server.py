@@ -17,6 +17,7 @@ client that reconnects opens a new connection, so the dropped one counts as gone
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -49,6 +50,7 @@ from tqstream.protocol.transport import (
     _socket,
     _version_error,
     error_reply,
+    session_of,
 )
 
 __all__ = ["Handler", "HandlerResult", "Responder", "Server"]
@@ -111,12 +113,16 @@ class Server:
         keys: Keys | None = None,
         cluster: str = "",
         controller: str = "",
+        boot: str = "",
+        journal: Any = None,
     ) -> None:
         """``inproc``: also bind an ``inproc://`` endpoint (``inproc_address``) for clients in this
         process that share ``ctx``; they skip TCP and libzmq's I/O thread. ``on_disconnect(peer)``
         is called, on the serving loop, when a TCP peer that sent a request disconnects. ``keys``:
         the TCP endpoint serves only the cluster's CURVE clients (:mod:`tqstream.protocol.auth`);
-        the inproc one, reachable from this process only, has no handshake."""
+        the inproc one, reachable from this process only, has no handshake. ``journal``: a
+        controller's :class:`~tqstream.controller.journal.Journal`; no reply leaves before the
+        records appended until it was sent are durable (see :meth:`_release`)."""
         self.name = name
         self.max_message_bytes = max_message_bytes
         self._handler = handler
@@ -126,6 +132,11 @@ class Server:
         self._shm = shm
         self._cluster = cluster  # told to every client at the handshake (see Welcome.cluster)
         self._controller = controller  # a unit's controller, told likewise (Welcome.controller)
+        self._boot = boot  # a unit's process, told likewise (Welcome.boot)
+        self._journal = journal
+        self._held: list[list[Any]] = []  # replies of this turn, waiting for its records
+        self._waiting: collections.deque[tuple[Any, list[list[Any]]]] = collections.deque()
+        self._release_soon = False
         self.inproc_address = ""
         self._closed = False
         self._failure: BaseException | None = None
@@ -140,6 +151,9 @@ class Server:
                 auth.serve_securely(sock, keys)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped
+            # a client's connection keeps its routing id when it reconnects (session_of): the new
+            # TCP connection takes over from the old one the server may not have seen drop yet
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             sock.setsockopt(zmq.SNDHWM, 0)  # at a full pipe ROUTER drops replies: never let it
             # libzmq drops a peer that sends a frame over this, before it is ever buffered
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + MiB)
@@ -238,6 +252,10 @@ class Server:
         self._peer_fd[identity] = fd
         if fd >= 0:  # inproc peers have none (they live and die with this process)
             self._fd_peers.setdefault(fd, set()).add(identity)
+            session = session_of(identity)
+            if session is not None and identity not in self._sessions:
+                self._sessions[identity] = session
+                self._members[session] = self._members.get(session, 0) + 1
 
     def _watch_peers(self) -> None:
         monitor = self._monitor
@@ -271,6 +289,8 @@ class Server:
                 self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
         finally:
             self._draining = False
+        if self._held:
+            self._release()
 
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         """Handle one message; whatever goes wrong becomes an ``ErrorReply`` to its sender."""
@@ -340,6 +360,8 @@ class Server:
             unit_shm=list(self._unit_shm()),
             cluster=self._cluster,
             controller=self._controller,
+            durable=self._journal is not None,
+            boot=self._boot,
         )
 
     def _deliver(self, responder: Responder, result: HandlerResult) -> None:
@@ -403,14 +425,48 @@ class Server:
     def _send(self, identity: bytes, msg: Any, buffers: Sequence[Any]) -> None:
         if self._closed:
             return
+        frames = [identity, encode(msg), *buffers]
+        journal = self._journal
+        if journal is not None and (self._held or self._waiting or journal.pending):
+            self._held.append(frames)  # it may tell of a change not durable yet
+            if not self._draining and not self._release_soon and self._loop is not None:
+                self._release_soon = True
+                self._loop.call_soon(self._release)
+            return
+        self._out(frames)
+
+    def _out(self, frames: list[Any]) -> None:
         # copy=False: pyzmq still copies frames under COPY_THRESHOLD. With SNDHWM 0
         # a ROUTER send never blocks; what goes wrong (a buffer that is not a buffer) raises here,
         # to the code that answered.
-        self._sock.send_multipart([identity, encode(msg), *buffers], zmq.NOBLOCK, copy=False)
+        self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         # a send may consume the fd's edge: if input is waiting, the fd will not say so again
         # (inside _drain, its loop looks again anyway)
         if self._loop is not None and not self._draining and _events(self._sock) & POLLIN:
             self._loop.call_soon(self._drain)
+
+    def _release(self) -> None:
+        """Write the journal's records of this turn (one write for every request the drain
+        handled) and send the replies held meanwhile once they are durable, in order."""
+        self._release_soon = False
+        if not self._held or self._closed:
+            return
+        self._journal.flush()
+        wait = self._journal.durable()
+        batch, self._held = self._held, []
+        self._waiting.append((wait, batch))
+        if wait is not None:
+            wait.add_done_callback(lambda _: self._pump())
+        self._pump()
+
+    def _pump(self) -> None:
+        while self._waiting and not self._closed:
+            wait, batch = self._waiting[0]
+            if wait is not None and not wait.done():
+                return
+            self._waiting.popleft()
+            for frames in batch:
+                self._out(frames)
 
 
 def _short(peer: bytes) -> str:

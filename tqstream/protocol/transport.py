@@ -45,6 +45,26 @@ thread wake-up and a GIL hand-over per frame, which costs more than copying a fe
 _OWNED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+_ROUTED = b"T"  # the first byte of a routing id that names its session (server ids start with 0)
+_SESSION = 16
+RIDS = itertools.count(1)
+"""Request ids, one sequence for every connection of the process: with the session its
+connection's routing id names, a request's ``rid`` names it at the server across reconnects (a
+controller with a journal answers a request sent again as it did the first time)."""
+
+
+def routing_id(session: bytes, n: int) -> bytes:
+    """The routing id of a client's connection ``n``: it names the client's session."""
+    return _ROUTED + session + n.to_bytes(4, "big")
+
+
+def session_of(identity: bytes) -> bytes | None:
+    """The session a connection's routing id names (None: one ZMQ made up)."""
+    if len(identity) == 1 + _SESSION + 4 and identity[:1] == _ROUTED:
+        return identity[1 : 1 + _SESSION]
+    return None
+
+
 def context() -> zmq.Context[Any]:
     """A new ZMQ context that a forked child will never tear down (see :func:`_disown`)."""
     ctx = zmq.Context[Any]()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
@@ -133,6 +134,7 @@ class StorageService:
         self.segments = shm.UnitSegments() if shm.available() else None
         self._dropped: list[int] = []
         self.store = ColumnStore(on_release=self._released)
+        self.boot = secrets.token_hex(8)  # this process (a restart at the address has another)
         self.server = Server(
             self.ctx,
             config.host,
@@ -144,6 +146,7 @@ class StorageService:
             inproc=inproc,
             keys=self.keys,
             controller=controller or "",
+            boot=self.boot,
         )
         self.unit: int | None = None
         self._link: Connection | None = None  # to the controller, for stored puts
@@ -172,6 +175,7 @@ class StorageService:
             keys=self.keys,
         )
         conn.decode = decode_unit_reply  # a put's metadata is relayed, not decoded (StoredRelay)
+        conn.resend = conn.welcome.durable  # a restarted controller gets the puts in flight
         try:
             msg = RegisterUnit(
                 rid=0,
@@ -179,6 +183,7 @@ class StorageService:
                 max_bytes=self.config.max_bytes,
                 inproc=self.server.inproc_address,
                 shm=self.segments.token if self.segments else "",
+                boot=self.boot,
             )
             reply, _ = await conn.request(msg, timeout=30.0)
         except BaseException:

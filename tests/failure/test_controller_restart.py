@@ -1,0 +1,164 @@
+"""A controller with a journal dies (SIGKILL) and is started again at its address: nothing a client
+was told is lost, leases keep their deadlines, requests in flight wait and are carried out once,
+and what cannot be recovered (a unit that died meanwhile) is counted, not silently dropped."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import tqstream
+from tqstream.controller.service import ControllerService
+from tqstream.errors import JournalClusterError
+from tqstream.launch.processes import ProcessCluster
+
+FAST = tqstream.ClientConfig(connect_timeout=3.0, reconnect_timeout=30.0)
+
+
+def _rows(x: int, n: int = 4) -> dict[str, torch.Tensor]:
+    return {"x": torch.arange(x, x + n, dtype=torch.float32)[:, None].repeat(1, 3)}
+
+
+@pytest.fixture
+def durable(tmp_path: Path) -> Iterator[ProcessCluster]:
+    with ProcessCluster(2, durability="batched", journal=str(tmp_path / "journal")) as c:
+        yield c
+
+
+def _restart(cluster: ProcessCluster) -> None:
+    cluster.procs[0].kill()
+    cluster.procs[0].wait()
+    cluster.restart_controller()
+
+
+def test_a_killed_controller_restarts_with_every_row_lease_and_ack(
+    durable: ProcessCluster,
+) -> None:
+    with tqstream.connect(durable.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["a", "b"])
+        for i in range(6):
+            c.put(_rows(4 * i), "p")
+        acked = c.get("p", "x", 4, "a", timeout=5)
+        acked.ack()
+        held = c.get("p", "x", 4, "a", timeout=5)  # leased across the restart
+        _restart(durable)
+        held.ack()  # the lease survived: acked, not refused
+        seen = acked.data["x"][:, 0].tolist() + held.data["x"][:, 0].tolist()
+        while len(seen) < 24:
+            batch = c.get("p", "x", 4, "a", timeout=5)
+            seen += batch.data["x"][:, 0].tolist()
+            batch.ack()
+        assert sorted(seen) == [float(x) for x in range(24)]  # each row once
+        other = c.get("p", "x", 24, "b", timeout=5)  # the other task lost nothing either
+        assert sorted(other.data["x"][:, 0].tolist()) == [float(x) for x in range(24)]
+        stats = c.stats("p").partitions["p"]
+        assert stats.rows == 24 and stats.lost == 0
+        assert stats.tasks["a"].consumed == 24
+
+
+def test_a_get_waiting_while_the_controller_is_down_is_answered_after_the_restart(
+    durable: ProcessCluster,
+) -> None:
+    with tqstream.connect(durable.address, FAST) as c:
+        c.create_partition("p", ["x"])
+        got: list[object] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(c.get("p", "x", 4, "t", timeout=30)), daemon=True
+        )
+        waiter.start()
+        time.sleep(0.5)  # parked at the controller
+        _restart(durable)
+        c.put(_rows(0), "p")
+        waiter.join(20)
+        assert got, "the parked get was not answered after the restart"
+        batch = got[0]
+        assert batch.data["x"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]  # type: ignore[attr-defined]
+        batch.ack()  # type: ignore[attr-defined]
+        assert c.stats("p").partitions["p"].tasks["t"].consumed == 4
+
+
+def test_puts_keep_going_through_restarts(durable: ProcessCluster) -> None:
+    """A producer puts without pause while the controller is killed twice: every put that
+    returned is read exactly once."""
+    stop = threading.Event()
+    put: list[int] = []
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        with tqstream.connect(durable.address, FAST) as p:
+            i = 0
+            while not stop.is_set():
+                try:
+                    p.put(_rows(4 * i), "p")
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                put.extend(range(4 * i, 4 * i + 4))
+                i += 1
+
+    with tqstream.connect(durable.address, FAST) as c:
+        c.create_partition("p", ["x"])
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        for _ in range(2):
+            time.sleep(0.7)
+            _restart(durable)
+        time.sleep(0.5)
+        stop.set()
+        producer.join(30)
+        assert not errors, errors
+        seen: list[float] = []
+        while len(seen) < len(put):
+            batch = c.get("p", "x", min(64, len(put) - len(seen)), "t", timeout=5)
+            seen += batch.data["x"][:, 0].tolist()
+            batch.ack()
+        assert sorted(seen) == [float(x) for x in sorted(put)]  # none twice, none missing
+        assert c.stats("p").partitions["p"].rows == len(put)
+
+
+def test_a_unit_that_dies_while_the_controller_is_down_is_counted_lost(
+    durable: ProcessCluster,
+) -> None:
+    with tqstream.connect(durable.address, FAST) as c:
+        c.create_partition("p", ["x"])
+        for i in range(8):
+            c.put(_rows(4 * i), "p")
+        durable.procs[0].kill()
+        durable.procs[0].wait()
+        durable.procs[1].kill()  # unit 0, while nobody watches
+        durable.procs[1].wait()
+        durable.restart_controller()
+        stats = c.stats("p").partitions["p"]
+        assert stats.lost > 0 and stats.rows + stats.lost == 32
+        seen: list[float] = []
+        while len(seen) < stats.rows:
+            batch = c.get("p", "x", 4, "t", timeout=5)
+            seen += batch.data["x"][:, 0].tolist()
+            batch.ack()
+        assert len(set(seen)) == len(seen) == stats.rows
+
+
+def test_a_journal_of_another_cluster_is_refused_naming_both(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    config = tqstream.ControllerConfig(durability="batched", journal=str(journal))
+    ControllerService(config).durable.close()  # type: ignore[union-attr]
+    (journal / "cluster").write_text("0123456789abcdef\n")
+    with pytest.raises(JournalClusterError, match="0123456789abcdef"):
+        ControllerService(config)
+
+
+def test_a_journal_needs_a_directory() -> None:
+    with pytest.raises(tqstream.ConfigError, match="journal"):
+        tqstream.ControllerConfig(durability="sync")
+    with pytest.raises(tqstream.ConfigError, match="durability"):
+        tqstream.ControllerConfig(durability="always", journal="/tmp/x")
+
+
+def test_a_controller_without_a_journal_is_not_restarted() -> None:
+    with ProcessCluster(1) as c, pytest.raises(tqstream.ConfigError, match="journal"):
+        c.restart_controller()

@@ -1,0 +1,306 @@
+"""What makes the controller durable: its journal of requests and events, the replay that
+rebuilds its state from it, and the table of answers that makes a retried request take effect
+once.
+
+The state (:class:`~tqstream.controller.state.ControllerState`) is deterministic: what it becomes
+depends only on the calls made to it and their arguments, time included (``now`` is an
+argument). So the journal records the calls, not their effects: each request that may change the
+state (its frame 0 as it came, the time it was handled, the session and the ``rid`` it came with)
+and each event that changes it outside a request (a timer that fired, a peer or a storage unit
+that went away or came back, a unit that registered). A restarted controller feeds them to a new
+state in the same order, through the same code (:meth:`Durable.replay`), and reaches the state
+its clients were told about. Parked requests come back parked, under a :class:`Stub` that keeps
+their answer until their client asks again; leases keep their deadlines (the clock is the wall
+clock, so a deadline means the same in every process of a controller).
+
+A snapshot (the whole state, pickled, with every handle of a request as a reference to its
+session and ``rid``) stands for every record before it: one is written every
+``snapshot_records`` records and after a checkpoint is loaded, so a restart replays at most that
+many.
+
+Answers. Every request a client sends carries an ``rid`` unique in its process, and every client
+names its session in its connections' routing ids, so ``(session, rid)`` names a request across
+connections and restarts. The controller keeps the answers of journaled requests (:class:`Answers`,
+the latest ``ANSWERS`` of them): a request sent again, because the connection dropped before its
+answer came, gets the answer it had, or, if it is still being handled (parked), the one it will
+get. A put sent twice is stored once; a get sent twice leases one batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import secrets
+from typing import Any
+
+import msgspec
+
+from tqstream.controller.journal import Journal, JournalConfig, Replay
+from tqstream.errors import JournalClusterError, JournalCorruptError
+from tqstream.protocol.messages import (
+    GetByKeys,
+    GetStats,
+    ListKeys,
+    ListRows,
+    LoadCheckpoint,
+    RegisterUnit,
+    SaveCheckpoint,
+    UnitStopping,
+    decode_request,
+)
+from tqstream.protocol.transport import error_reply
+
+__all__ = ["ANSWERS", "Answers", "Durable", "Stub", "Tracked", "cluster_of", "journaled"]
+
+REQUEST, EXPIRE, PEER_GONE, UNIT_DOWN, UNIT_UP, UNIT_ADD = range(1, 7)
+"""Record kinds."""
+
+ANSWERS = 65536
+"""Answers kept for requests sent again (the oldest go first)."""
+
+SNAPSHOT_FORMAT = 1
+
+UNJOURNALED = (GetStats, ListKeys, ListRows, GetByKeys, SaveCheckpoint, LoadCheckpoint,
+               RegisterUnit, UnitStopping)  # fmt: skip
+"""Requests that change nothing a restart must know (a load is followed by a snapshot instead;
+a registration is journaled as the event that adds the unit)."""
+
+_CLUSTER_FILE = "cluster"
+
+
+def cluster_of(directory: str) -> str:
+    """The identity of the cluster whose journal ``directory`` holds, made on its first start."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, _CLUSTER_FILE)
+    try:
+        with open(path) as f:
+            cluster = f.read().strip()
+    except FileNotFoundError:
+        cluster = secrets.token_hex(8)
+        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+        with open(tmp, "w") as f:
+            f.write(cluster + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return cluster
+    if not cluster:
+        raise JournalCorruptError(
+            f"{path} is empty: it names the cluster whose journal {directory} holds; restore it "
+            f"or start the controller on a fresh directory",
+            path=path,
+        )
+    return cluster
+
+
+class Stub:
+    """The handle of a request replayed from the journal (or restored from a snapshot): it keeps
+    its answer until the request's client sends it again (:meth:`bind`), and passes it on then."""
+
+    __slots__ = ("answered", "key", "op", "peer", "reply_msg", "rid", "target")
+
+    def __init__(self, peer: Any, rid: int, op: str) -> None:
+        self.peer, self.rid, self.op = peer, rid, op
+        self.key = (peer, rid)
+        self.answered = False
+        self.reply_msg: Any = None
+        self.target: Any = None
+
+    def reply(self, msg: Any, buffers: Any = ()) -> None:
+        self.answered = True
+        if self.target is not None:
+            self.target.reply(msg)
+        else:
+            self.reply_msg = msg
+
+    def fail(self, exc: BaseException) -> None:
+        self.reply(error_reply(exc, f"the controller failed on {self.op} (request {self.rid})"))
+
+    def bind(self, responder: Any) -> None:
+        """The client asked again: answer it (now, if the answer is in)."""
+        if self.answered:
+            responder.reply(self.reply_msg)
+        else:
+            self.target = responder
+
+
+class Tracked:
+    """A live request's handle: answers its responder and keeps the answer (:class:`Answers`)."""
+
+    __slots__ = ("answers", "key", "op", "peer", "responder", "rid")
+
+    def __init__(self, responder: Any, answers: Answers) -> None:
+        self.responder, self.answers = responder, answers
+        self.peer, self.rid, self.op = responder.peer, responder.rid, responder.op
+        self.key = (self.peer, self.rid)
+
+    @property
+    def answered(self) -> bool:
+        return bool(self.responder.answered)
+
+    def reply(self, msg: Any, buffers: Any = ()) -> None:
+        self.answers.done(self.key, msg)
+        self.responder.reply(msg, buffers)
+
+    def fail(self, exc: BaseException) -> None:
+        where = f"the controller failed on {self.op} (request {self.rid})"
+        self.reply(error_reply(exc, where, self.rid))
+
+
+class Answers:
+    """The answers of the latest journaled requests, by ``(session, rid)``: a finished one's
+    reply, or the handle of one still being handled."""
+
+    def __init__(self, limit: int = ANSWERS) -> None:
+        self.limit = limit
+        self.table: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+    def seen(self, key: Any, responder: Any) -> bool:
+        """Whether the request ``key`` was handled already (or is being handled): then it is
+        answered through ``responder`` as it was (or will be)."""
+        entry = self.table.get(key)
+        if entry is None:
+            return False
+        if isinstance(entry, Stub):
+            entry.bind(responder)
+        elif isinstance(entry, Tracked):
+            pass  # still being handled: its answer goes to the same session and rid
+        else:
+            responder.reply(entry)
+        return True
+
+    def start(self, key: Any, handle: Any) -> None:
+        self.table[key] = handle
+        if len(self.table) > self.limit:
+            self.table.popitem(last=False)
+
+    def done(self, key: Any, msg: Any) -> None:
+        if key in self.table:
+            self.table[key] = msg
+
+    def forget(self, key: Any) -> None:
+        """The request failed before it changed anything: a retry runs it again."""
+        self.table.pop(key, None)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles the state with each request handle as its (session, rid, op)."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, Stub | Tracked) or type(obj).__name__ == "Responder":
+            return ("handle", obj.peer, obj.rid, obj.op)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.stubs: dict[Any, Stub] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, peer, rid, op = pid
+        key = (peer, rid)
+        stub = self.stubs.get(key)
+        if stub is None:
+            stub = self.stubs[key] = Stub(peer, rid, op)
+        return stub
+
+
+class Durable:
+    """The journal of one controller service, and its answers table."""
+
+    def __init__(
+        self,
+        directory: str,
+        durability: str,
+        fsync_interval: float,
+        snapshot_records: int,
+    ) -> None:
+        self.directory = os.path.abspath(directory)
+        self.cluster = cluster_of(self.directory)
+        config = JournalConfig(durability, fsync_interval)  # type: ignore[arg-type]
+        self.journal, replay = Journal.open(self.directory, self.cluster, config)
+        self._replay: Replay | None = replay
+        self.snapshot_records = snapshot_records
+        self.answers = Answers()
+        self.replaying = False
+        self._since_snapshot = 0
+        self._enc = msgspec.msgpack.Encoder()
+
+    @property
+    def to_replay(self) -> Replay | None:
+        """What a start must replay (None once done)."""
+        return self._replay
+
+    # --- recording ---
+    def request(self, now: float, peer: Any, rid: int, header: Any) -> None:
+        self._append(REQUEST, [now, peer, rid, bytes(header)])
+
+    def event(self, kind: int, *args: Any) -> None:
+        self._append(kind, list(args))
+
+    def _append(self, kind: int, record: list[Any]) -> None:
+        if self.replaying:
+            return
+        self.journal.append(kind, self._enc.encode(record))
+        self._since_snapshot += 1
+
+    def due(self) -> bool:
+        """Whether a snapshot is due (and none is being written)."""
+        return self._since_snapshot >= self.snapshot_records and not self.journal.rebasing
+
+    def snapshot(self, payload: dict[str, Any]) -> Any:
+        """Start writing a snapshot of ``payload`` (the state and what goes with it): the task
+        of its rebase (True once it landed)."""
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dump({"format": SNAPSHOT_FORMAT, "cluster": self.cluster, **payload,
+                      "answers": self.answers})  # fmt: skip
+        self._since_snapshot = 0
+        return self.journal.rebase(buf.getvalue())
+
+    # --- replaying ---
+    def restored(self) -> dict[str, Any] | None:
+        """The newest snapshot's payload, None without one."""
+        assert self._replay is not None
+        data = self._replay.snapshot
+        if data is None:
+            return None
+        payload: dict[str, Any] = _Unpickler(io.BytesIO(data)).load()
+        if payload.get("format") != SNAPSHOT_FORMAT or payload.get("cluster") != self.cluster:
+            raise JournalClusterError(
+                f"the snapshot in {self.directory} is of format {payload.get('format')!r} for "
+                f"cluster {payload.get('cluster')!r}; this controller reads format "
+                f"{SNAPSHOT_FORMAT} of cluster {self.cluster!r}",
+                directory=self.directory,
+            )
+        self.answers = payload["answers"]
+        return payload
+
+    def records(self) -> Any:
+        """The records after the snapshot, decoded: (kind, values)."""
+        assert self._replay is not None
+        dec = msgspec.msgpack.Decoder()
+        for kind, payload in self._replay:
+            yield kind, dec.decode(payload)
+        self._replay = None
+
+    @staticmethod
+    def decode(header: bytes) -> Any:
+        return decode_request(header)
+
+    def stub(self, peer: Any, rid: int, op: str) -> Stub:
+        """The handle of a replayed request, answers kept under its key."""
+        stub = Stub(peer, rid, op)
+        self.answers.start(stub.key, stub)
+        return stub
+
+    def close(self) -> None:
+        self.journal.close()
+
+
+def journaled(msg: Any) -> bool:
+    """Whether a request is recorded (it may change the state)."""
+    return not isinstance(msg, UNJOURNALED)
