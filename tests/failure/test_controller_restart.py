@@ -4,6 +4,7 @@ and what cannot be recovered (a unit that died meanwhile) is counted, not silent
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -24,9 +25,13 @@ def _rows(x: int, n: int = 4) -> dict[str, torch.Tensor]:
     return {"x": torch.arange(x, x + n, dtype=torch.float32)[:, None].repeat(1, 3)}
 
 
-@pytest.fixture
-def durable(tmp_path: Path) -> Iterator[ProcessCluster]:
-    with ProcessCluster(2, durability="batched", journal=str(tmp_path / "journal")) as c:
+@pytest.fixture(params=[("batched", 200_000), ("sync", 8)], ids=["batched", "sync-snapshots"])
+def durable(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ProcessCluster]:
+    """A cluster whose controller has a journal; ``sync-snapshots``: fsynced, and a snapshot
+    every 8 records, so a restart reads a snapshot and the records after it."""
+    durability, every = request.param
+    journal = str(tmp_path / "journal")
+    with ProcessCluster(2, durability=durability, journal=journal, snapshot_records=every) as c:
         yield c
 
 
@@ -150,6 +155,30 @@ def test_a_journal_of_another_cluster_is_refused_naming_both(tmp_path: Path) -> 
     (journal / "cluster").write_text("0123456789abcdef\n")
     with pytest.raises(JournalClusterError, match="0123456789abcdef"):
         ControllerService(config)
+
+
+def test_a_snapshot_that_names_a_function_is_refused(tmp_path: Path) -> None:
+    """Loading a snapshot builds tqstream's classes and containers only: one that would call
+    something else (here ``os.system``) is refused as damaged, and nothing runs."""
+    import pickle
+
+    from tqstream.controller import journalfile
+    from tqstream.controller.durable import cluster_of
+    from tqstream.errors import JournalCorruptError
+
+    journal = tmp_path / "journal"
+    config = tqstream.ControllerConfig(durability="batched", journal=str(journal))
+    ControllerService(config).durable.close()  # type: ignore[union-attr]
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    journalfile.write_snapshot(str(journal), cluster_of(str(journal)), 0, pickle.dumps(Evil()))
+    with pytest.raises(JournalCorruptError, match=r"posix\.system|os\.system"):
+        ControllerService(config).durable.restored()  # type: ignore[union-attr]
+    assert not marker.exists()
 
 
 def test_a_journal_needs_a_directory() -> None:

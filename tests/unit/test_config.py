@@ -43,6 +43,10 @@ CANONICAL = [
     "replicas",
     "metrics_port",
     "max_rows",
+    "durability",
+    "journal",
+    "fsync_interval",
+    "snapshot_records",
     "storage_max_bytes",
 ]
 

@@ -555,9 +555,9 @@ def test_undecodable_replies() -> None:
 
         task = asyncio.ensure_future(fake())
         conn = await connect(ctx, f"tcp://127.0.0.1:{port}")
-        with pytest.raises(tqstream.RequestTimeoutError, match=r"get_stats \(request 2\)"):
+        with pytest.raises(tqstream.RequestTimeoutError, match=r"get_stats \(request \d+\)"):
             await conn.request(GetStats(rid=0), timeout=0.3)  # no rid in b"\xc1": ignored
-        with pytest.raises(tqstream.MalformedMessageError, match=r"get_stats \(request 3\)"):
+        with pytest.raises(tqstream.MalformedMessageError, match=r"get_stats \(request \d+\)"):
             await conn.request(GetStats(rid=0), timeout=5)
         await task
         conn.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tqstream.controller.partition import Partition
 from tqstream.controller.records import Effects, Ids
@@ -31,6 +32,10 @@ class Catalog:
         self.replicas = replicas  # copies of each row, for partitions that do not say
         self.partitions: dict[str, Partition] = {}
         self.next_rows: dict[str, int] = {}  # first row id of a re-created partition
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For a journal's snapshot: everything but ``on_evict`` (its owners bind it again)."""
+        return {k: (v if k != "on_evict" else []) for k, v in self.__dict__.items()}
 
     def replicas_of(self, partition: str) -> int:
         p = self.partitions.get(partition)

@@ -35,6 +35,10 @@ class DeadlineHeap:
         self._live = live
         self._sweep_at = COMPACT_MIN
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For a journal's snapshot: everything but ``live`` (its owner binds it again)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_live"}
+
     def __len__(self) -> int:
         return len(self._heap)
 

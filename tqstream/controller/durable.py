@@ -16,7 +16,9 @@ clock, so a deadline means the same in every process of a controller).
 A snapshot (the whole state, pickled, with every handle of a request as a reference to its
 session and ``rid``) stands for every record before it: one is written every
 ``snapshot_records`` records and after a checkpoint is loaded, so a restart replays at most that
-many.
+many. It is the one place tqstream uses pickle: a file the controller wrote in its own journal
+directory, never anything from the wire, and read back by an unpickler that builds only
+tqstream's own classes and plain containers (anything else is refused as a damaged snapshot).
 
 Answers. Every request a client sends carries an ``rid`` unique in its process, and every client
 names its session in its connections' routing ids, so ``(session, rid)`` names a request across
@@ -29,6 +31,8 @@ get. A put sent twice is stored once; a get sent twice leases one batch.
 from __future__ import annotations
 
 import collections
+import contextlib
+import importlib
 import io
 import os
 import pickle
@@ -194,10 +198,44 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+_SAFE = {
+    "builtins": {"bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list",
+                 "object", "range", "set", "slice", "str", "tuple"},
+    "array": {"_array_reconstructor", "array"},
+    "collections": {"OrderedDict", "defaultdict", "deque"},
+    "itertools": {"count"},
+    "copyreg": {"_reconstructor"},
+    "numpy": {"dtype", "ndarray"},
+    "numpy.core.multiarray": {"_reconstruct", "scalar"},
+    "numpy._core.multiarray": {"_reconstruct", "scalar"},
+    "numpy.core.numeric": {"_frombuffer"},
+    "numpy._core.numeric": {"_frombuffer"},
+}  # fmt: skip
+"""What a snapshot may name besides tqstream's own classes: containers and numpy arrays."""
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any) -> None:
+    """Reads a snapshot, and refuses one that names anything but tqstream's classes and the
+    containers of :data:`_SAFE`: loading it builds data, never runs a function of its choice."""
+
+    def __init__(self, file: Any, directory: str) -> None:
         super().__init__(file)
         self.stubs: dict[Any, Stub] = {}
+        self.directory = directory
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = None
+        if name in _SAFE.get(module, ()) or module.startswith("tqstream."):
+            with contextlib.suppress(Exception):
+                found = getattr(importlib.import_module(module), name)
+        if found is not None and (module in _SAFE or isinstance(found, type)):
+            return found
+        raise JournalCorruptError(
+            f"the snapshot in {self.directory} names {module}.{name}, which a tqstream snapshot "
+            f"never holds: it is damaged or was not written by tqstream; move it away (the "
+            f"cluster's state goes with it) or restore the directory from a backup",
+            directory=self.directory,
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         _, peer, rid, op = pid
@@ -268,7 +306,7 @@ class Durable:
         data = self._replay.snapshot
         if data is None:
             return None
-        payload: dict[str, Any] = _Unpickler(io.BytesIO(data)).load()
+        payload: dict[str, Any] = _Unpickler(io.BytesIO(data), self.directory).load()
         if payload.get("format") != SNAPSHOT_FORMAT or payload.get("cluster") != self.cluster:
             raise JournalClusterError(
                 f"the snapshot in {self.directory} is of format {payload.get('format')!r} for "

@@ -86,6 +86,12 @@ class ControllerState:
         self.admissions = self.flow.admissions
         self.budgets = self.flow.budgets
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """From a journal's snapshot: the callbacks between the parts are bound again."""
+        self.__dict__.update(state)
+        self.deadlines._live = self._live
+        self.catalog.on_evict.append(self.leases.forget_rows)
+
     @property
     def replicas(self) -> int:
         """Copies of each row, for partitions that do not say."""
