@@ -1,7 +1,8 @@
 """The Ray deployment on a real multi-node Ray cluster on this machine (``ray.cluster_utils``: a
 head and two more nodes, each its own raylet): producers and consumers in actors pinned to
-different nodes, a storage-unit actor killed and restarted by Ray, nothing left after
-``close()``, clients that find the cluster by name from a Ray task."""
+different nodes, a storage-unit actor killed and restarted by Ray, a controller actor with a
+journal killed and restarted by Ray, nothing left after ``close()``, clients that find the
+cluster by name from a Ray task."""
 
 from __future__ import annotations
 
@@ -211,6 +212,56 @@ def test_a_killed_unit_actor_is_lost_then_restarted_at_its_address(nodes: list[s
             return all(_unit(client, x).rows > 0 for x in addresses)
 
         _until(both_hold_rows, 20.0)
+
+
+# --- the controller actor dies ---
+def test_a_killed_controller_actor_with_a_journal_restarts_at_its_port(
+    nodes: list[str], tmp_path: Path
+) -> None:
+    """Ray restarts the controller on its node: the restarted actor binds its old port and
+    replays its journal, so the client carries on (the lease it held is acked, every row read
+    once), and it still knows its units' ports (a unit killed afterwards comes back at its own)."""
+    head, a, _ = nodes
+    journal = str(tmp_path / "journal")
+    config = tqstream.ClientConfig(connect_timeout=3.0, reconnect_timeout=60.0)
+    with (
+        tqstream.ray.launch(
+            2, name="durable", nodes=[head, a], num_cpus=0, durability="batched", journal=journal
+        ) as cluster,
+        cluster.connect(config) as client,
+    ):
+        address, addresses = cluster.address, cluster.unit_addresses
+        records = ray.get(cluster.controller.units.remote())
+        client.create_partition("p", ["x"], tasks=["t"])
+        for i in range(8):
+            client.put(_rows(4 * i, 4), "p")
+        held = client.get("p", "x", 8, "t", timeout=10)  # leased across the restart
+        controller = cluster.controller
+        pid = ray.get(controller.pid.remote())
+
+        os.kill(pid, signal.SIGKILL)  # the controller's process, as the OOM killer would
+        held.ack()  # waits for the restarted controller at the old address: the lease survived
+        seen = held.data["x"][:, 0].tolist()
+        while len(seen) < 32:
+            batch = client.get("p", "x", 8, "t", timeout=10)
+            seen += batch.data["x"][:, 0].tolist()
+            batch.ack()
+        assert sorted(seen) == [float(x) for x in range(32)]  # each row once
+        p = client.stats("p").partitions["p"]
+        assert (p.produced, p.lost, p.tasks["t"].consumed) == (32, 0, 32)
+        _until(lambda: _restarted(controller, pid), 60.0)
+        assert ray.get(controller.address.remote()) == address
+        assert ray.get(controller.units.remote()) == records  # the registry survived
+
+        victim = cluster.units[0]
+        unit_pid = ray.get(victim.pid.remote())
+        os.kill(unit_pid, signal.SIGKILL)
+        _until(lambda: not _unit(client, addresses[0]).alive)
+        _until(lambda: _unit(client, addresses[0]).alive, 60.0)  # at its old port
+        _until(lambda: _restarted(victim, unit_pid), 60.0)
+        assert cluster.unit_addresses == addresses
+        assert len(client.stats().units) == 2  # revived under its index, not a new unit
+        client.put(_rows(0, 4), "p")
 
 
 # --- shutdown ---

@@ -10,6 +10,11 @@ revives under its old index, empty (its rows were counted lost when it died, unl
 It also removes the shared-memory segments its predecessor left in ``/dev/shm``: a killed process
 never unlinks them.
 
+A controller with a journal is restarted too (``launch`` pins it to its node, where the journal
+is): the new process replays the journal, binds the port its predecessor served and takes over
+its registry of the units, both kept in the journal directory (:data:`REGISTRY`), so clients and
+units reconnect to the address they knew and a unit that restarts later still finds its port.
+
 A server whose loop fails ends the actor's process: Ray then sees the actor die (and restarts a
 storage unit), and clients see the server's connection drop, exactly as for a dead process of
 ``tqstream-launch``. A failure must never leave a live actor in front of a dead server.
@@ -18,6 +23,7 @@ storage unit), and clients see the server's connection drop, exactly as for a de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -25,15 +31,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import ray
 
 from tqstream.client.loop import LoopThread
 from tqstream.config import ControllerConfig, StorageConfig
-from tqstream.errors import TQStreamError
+from tqstream.errors import JournalCorruptError, TQStreamError
 from tqstream.launch.worker import settle_heap
+from tqstream.protocol.disk import fsync_dir, write_durably
 from tqstream.protocol.shm import process_key, remove_segments
 
 __all__ = [
+    "REGISTRY",
     "ControllerActor",
     "StorageUnitActor",
     "UnitRecord",
@@ -64,6 +73,18 @@ class UnitRecord:
     """``tcp://IP:PORT``, as the controller knows the unit."""
     shm_token: str
     """The token of the unit's shared-memory segments (``/dev/shm/tqs-<token>-*``); "" if none."""
+
+
+REGISTRY = "ray-controller.json"
+"""The controller actor's file in its journal directory: its port and its units' records, which
+a restarted controller actor needs to serve where its predecessor did."""
+
+
+class _Registry(msgspec.Struct, frozen=True):
+    """What :data:`REGISTRY` holds."""
+
+    port: int
+    units: dict[int, UnitRecord]
 
 
 class _Served:
@@ -156,16 +177,33 @@ class _ServerActor:
 class ControllerActor(_ServerActor):
     """The cluster's controller, and the registry of its storage units' ports by launch index.
 
-    ``max_restarts=0``: a restarted controller would be an empty cluster that no client or unit
-    knows; its death ends the cluster (clients get ConnectionLostError)."""
+    Without a journal (``durability="off"``) ``launch`` creates it with ``max_restarts=0``: a
+    restarted controller would be an empty cluster that no client or unit knows, so its death
+    ends the cluster (clients get ConnectionLostError). With a journal Ray restarts it on its
+    node (``max_restarts=-1``): the new process reads :data:`REGISTRY` in the journal directory,
+    binds its predecessor's port, knows its units' records again, and replays the journal; the
+    file is rewritten whenever the port or a unit's record is set. A first start (not a restart)
+    takes the configured port and starts the file anew, as the journal may be of an earlier
+    launch whose ports are someone else's by now."""
 
     def __init__(self, config: ControllerConfig) -> None:
         from tqstream.controller.service import ControllerService
 
         config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
-        self._config = config
         self._units: dict[int, UnitRecord] = {}
+        self._journal = config.journal if config.durability != "off" else ""
+        if self._journal and ray.get_runtime_context().was_current_actor_reconstructed:
+            before = _read_registry(os.path.join(self._journal, REGISTRY))
+            if before is not None:
+                config = dataclasses.replace(config, port=before.port)
+                self._units = dict(before.units)
+        self._config = config
         self._server = _Served(lambda ctx: ControllerService(config, ctx), "controller")
+        try:
+            self._save()
+        except BaseException:  # no live server behind an actor that failed to start
+            self._server.stop()
+            raise
 
     def endpoint(self) -> tuple[str, str]:
         """``(address, key file path)`` — what a client needs ("" : the cluster has no keys)."""
@@ -180,9 +218,40 @@ class ControllerActor(_ServerActor):
 
     def set_unit(self, index: int, record: UnitRecord) -> None:
         self._units[index] = record
+        self._save()
 
     def units(self) -> dict[int, UnitRecord]:
         return dict(self._units)
+
+    def _save(self) -> None:
+        """Write :data:`REGISTRY` whole (aside, fsynced, renamed into place): a process killed
+        mid-write leaves the previous file."""
+        if not self._journal:
+            return
+        port = int(self.address().rsplit(":", 1)[1])
+        path = os.path.join(self._journal, REGISTRY)
+        tmp = f"{path}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        write_durably(tmp, [msgspec.json.encode(_Registry(port=port, units=self._units))])
+        os.replace(tmp, path)
+        fsync_dir(self._journal)
+
+
+def _read_registry(path: str) -> _Registry | None:
+    """The registry a controller actor of this journal left; None if there is none."""
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=_Registry)
+    except FileNotFoundError:
+        return None
+    except msgspec.DecodeError as exc:  # it is only ever replaced whole: damaged from outside
+        raise JournalCorruptError(
+            f"{path} is damaged ({exc}): a restarted controller actor reads its port and its "
+            f"storage units' records there; restore it, or launch the cluster again on this "
+            f"journal (a first start writes it anew)",
+            path=path,
+        ) from exc
 
 
 class StorageUnitActor(_ServerActor):

@@ -175,7 +175,8 @@ def launch(
 
     Placement: the storage units go one per node, in turn over ``nodes`` (Ray node ids; default:
     every alive node with ``num_cpus`` CPUs), so ``storage_units`` unset is one unit per node;
-    the controller goes on ``controller_node``, else on this process's node if it has room.
+    the controller goes on ``controller_node``, else on this process's node (if it has room,
+    unless it has a journal: then there and nowhere else).
     ``num_cpus``: logical CPUs each actor reserves (0 allowed); they take no GPU. When they
     reserve every CPU of a node, ``launch`` warns (``RuntimeWarning``): a task or actor that
     needs a CPU there would wait for as long as the cluster runs.
@@ -184,7 +185,11 @@ def launch(
     :func:`connect` finds it. ``detached``: the actors outlive this process (end them with
     :func:`shutdown`); by default Ray ends them with it. ``unit_max_restarts``: how often Ray
     restarts a storage unit whose process died (-1: always); a restarted unit serves at its old
-    address and the controller revives it, empty. The controller is never restarted.
+    address and the controller revives it, empty. The controller is restarted only with a
+    journal (``durability="batched"`` or ``"sync"`` and ``journal=DIR``, a directory of the
+    controller's node): Ray restarts it there, always, at its old port; it replays the journal
+    and clients and units carry on (docs/faults.md). Without a journal it is never restarted: its
+    death ends the cluster.
     ``timeout``: seconds to wait for the actors to be placed and serving, then RuntimeError
     (everything started is stopped).
     """
@@ -217,16 +222,20 @@ def launch(
     if config.controller.keys:
         config = config.with_settings(keys=os.path.abspath(config.controller.keys))
         ensure_keys(config.controller.keys)  # made here, once: the actors only load it
+    durable = config.controller.durability != "off"
+    if durable:  # a path of the controller's node, where it runs on every restart
+        config = config.with_settings(journal=os.path.abspath(config.controller.journal))
     cc, sc = config.controller, config.storage
     common: dict[str, Any] = {"namespace": namespace, "num_cpus": num_cpus, "num_gpus": 0}
     if detached:
         common["lifetime"] = "detached"
     here = ray.get_runtime_context().get_node_id()
+    # with a journal Ray restarts the controller, on the node whose disk holds the journal
     controller = _Controller.options(
         name=controller_name(name),
-        max_restarts=0,
+        max_restarts=-1 if durable else 0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(
-            controller_node or here, soft=controller_node is None
+            controller_node or here, soft=controller_node is None and not durable
         ),
         **common,
     ).remote(cc)
