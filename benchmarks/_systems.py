@@ -510,9 +510,11 @@ class TQStream(TaskSystem):
         replicas: int = 1,
         keys: bool = False,
         metrics: bool = False,
+        durability: str = "off",
     ) -> None:
         self.name = name
         self.metrics = metrics
+        self.durability = durability
         self.deployment = deployment
         self.shared_memory = shared_memory
         self.replicas = replicas
@@ -539,6 +541,11 @@ class TQStream(TaskSystem):
                 else ", bytes over TCP"
             )
         )
+        if durability != "off":
+            where += (
+                f"; the controller journals every change before its reply (--durability "
+                f"{durability} --journal DIR, on this machine's disk)"
+            )
         if keys:
             where += "; every TCP socket authenticated and encrypted with CURVE (--keys)"
         if metrics:
@@ -566,6 +573,9 @@ class TQStream(TaskSystem):
             args = ["--storage-units", str(self.replicas), "--replicas", str(self.replicas)]
             args += ["--keys", keys] if keys else []
             args += ["--metrics-port", str(port)] if port else []
+            if self.durability != "off":
+                self._journal = tempfile.mkdtemp(prefix="tqstream-bench-journal-")
+                args += ["--durability", self.durability, "--journal", self._journal]
             self.launched = Launched(args)
             self.client = tqstream.connect(self.launched.address, config=config)
         else:
@@ -601,6 +611,8 @@ class TQStream(TaskSystem):
             self.launched.close()
         if hasattr(self, "_keydir"):
             shutil.rmtree(self._keydir, ignore_errors=True)
+        if hasattr(self, "_journal"):
+            shutil.rmtree(self._journal, ignore_errors=True)
 
     def begin(self, tag: str) -> None:
         self.partition = tag
@@ -805,6 +817,8 @@ SYSTEMS = (
     "tqstream-procs-tcp",
     "tqstream-procs-shm",
     "tqstream-launch",
+    "tqstream-launch-batched",
+    "tqstream-launch-sync",
     "tqstream-replicas",
     "tqstream-procs-tcp-curve",
     "tqstream-procs-shm-curve",
@@ -828,10 +842,11 @@ OPT_IN = (
 )
 """Systems run only when named (``--bench-systems``, ``interleave --systems``): what CURVE keys
 and the metrics endpoint cost, next to the same systems without them."""
-NAMED_ONLY = ("tqstream-launch",)
+NAMED_ONLY = ("tqstream-launch", "tqstream-launch-batched", "tqstream-launch-sync")
 """Systems only the scenarios naming them in their module's ``BENCH_SYSTEMS`` run: the cluster
 ``tqstream-launch`` starts is ``tqstream-procs-shm``'s (the same ``ProcessCluster``, from the
-command), measured where the command is the point (the producers scenario)."""
+command), measured where the command is the point (the producers scenario), and with the
+controller's journal (``--durability batched`` / ``sync``) where what durability costs is."""
 
 
 def make_system(name: str) -> System:
@@ -841,6 +856,8 @@ def make_system(name: str) -> System:
         return TQStream(name, "procs", "auto")
     if name == "tqstream-launch":
         return TQStream(name, "launch", "auto")
+    if name.startswith("tqstream-launch-"):
+        return TQStream(name, "launch", "auto", durability=name.removeprefix("tqstream-launch-"))
     if name == "tqstream-procs-tcp":
         return TQStream(name, "procs", "off")
     if name == "tqstream-replicas":

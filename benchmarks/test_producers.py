@@ -72,6 +72,8 @@ BENCH_SYSTEMS = (
     "tqstream-embedded",
     "tqstream-procs-shm",
     "tqstream-launch",
+    "tqstream-launch-batched",
+    "tqstream-launch-sync",
     "tqstream-replicas",
     "ray-actor-queue",
     "transferqueue",

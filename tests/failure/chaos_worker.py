@@ -58,7 +58,9 @@ async def consume(address: str, task: str, stop: str) -> dict[str, object]:
     while not errors:
         try:
             batch = await client.async_get("p", ["id", "tokens"], 16, task, timeout=1.0)
-        except tqstream.RequestTimeoutError:
+        except (tqstream.RequestTimeoutError, tqstream.ControllerUnavailableError):
+            # nothing to read, or the controller is away (a lease it granted meanwhile comes
+            # back at lease_timeout): try again
             if os.path.exists(stop):
                 break
             continue

@@ -22,6 +22,7 @@ from tqstream.launch.processes import ProcessCluster
 WORKER = Path(__file__).with_name("chaos_worker.py")
 SECONDS = float(os.environ.get("TQSTREAM_CHAOS_SECONDS", "180"))
 TASKS = ("actor", "critic")
+LEASE = 10.0
 
 
 def _start(args: list[str]) -> subprocess.Popen[str]:
@@ -47,8 +48,11 @@ def test_every_acked_row_is_read_once_by_each_task_while_the_controller_dies(
 ) -> None:
     stop = str(tmp_path / "STOP")
     rng = random.Random(replicas)
+    journal = str(tmp_path / "journal")
+    # a get whose client gave up while the controller was away may have leased rows: they come
+    # back at lease_timeout
     with ProcessCluster(
-        2, durability="batched", journal=str(tmp_path / "journal"), replicas=replicas
+        2, durability="batched", journal=journal, replicas=replicas, lease_timeout=LEASE
     ) as cluster:
         with tqstream.connect(cluster.address) as c:
             c.create_partition("p", ["id", "tokens"], tasks=list(TASKS))
@@ -74,11 +78,15 @@ def test_every_acked_row_is_read_once_by_each_task_while_the_controller_dies(
         with tqstream.connect(cluster.address) as c:
             for i, task in enumerate(TASKS):
                 ids = [row for r in read[i::2] for row in r["read"]]
-                while True:  # what the consumers left (none, unless they stopped early)
-                    try:
-                        batch = c.get("p", ["id"], 256, task, timeout=0.5)
-                    except tqstream.RequestTimeoutError:
-                        break
+                quiet_until = time.monotonic() + LEASE + 5.0
+                while time.monotonic() < quiet_until:  # what the consumers left, leases expiring
+                    left = c.stats("p").partitions["p"].tasks[task]
+                    if not left.available:
+                        if not left.leased:
+                            break
+                        time.sleep(0.2)
+                        continue
+                    batch = c.get("p", ["id"], min(256, left.available), task, timeout=5)
                     ids += batch.data["id"].view(-1).tolist()
                     batch.ack()
                 assert len(ids) == len(set(ids)), f"{task}: rows read twice"

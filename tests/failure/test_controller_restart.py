@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -191,3 +191,142 @@ def test_a_journal_needs_a_directory() -> None:
 def test_a_controller_without_a_journal_is_not_restarted() -> None:
     with ProcessCluster(1) as c, pytest.raises(tqstream.ConfigError, match="journal"):
         c.restart_controller()
+
+
+def _in_thread(work: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(work())
+        except BaseException as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_kill_in_the_middle_of_a_clear_leaves_it_done_and_the_bytes_freed(
+    durable: ProcessCluster,
+) -> None:
+    with tqstream.connect(durable.address, FAST) as c:
+        c.create_partition("p", ["x"])
+        for i in range(8):
+            c.put(_rows(4 * i, 64), "p")
+        assert sum(u.bytes for u in c.stats().units) > 0
+        thread, out = _in_thread(lambda: c.clear_partition("p"))
+        durable.procs[0].kill()  # before, during or after the clear: it happens once
+        durable.procs[0].wait()
+        durable.restart_controller()
+        thread.join(30)
+        assert out and not isinstance(out[0], BaseException), out
+        assert "p" not in c.stats().partitions
+        deadline = time.monotonic() + 10
+        while sum(u.bytes for u in c.stats().units) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the drop orders replayed go out once the units are reconnected
+        assert sum(u.bytes for u in c.stats().units) == 0
+
+
+def test_a_kill_in_the_middle_of_a_checkpoint_save_still_saves_it(
+    durable: ProcessCluster, tmp_path: Path
+) -> None:
+    with tqstream.connect(durable.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"])
+        for i in range(8):
+            c.put(_rows(4 * i), "p")
+        path = tmp_path / "ckpt"
+        thread, out = _in_thread(lambda: c.save_checkpoint(path))
+        durable.procs[0].kill()
+        durable.procs[0].wait()
+        durable.restart_controller()
+        thread.join(60)
+        assert out and not isinstance(out[0], BaseException), out
+    with ProcessCluster(1) as fresh, tqstream.connect(fresh.address) as c:
+        assert c.load_checkpoint(path).rows == 32
+        batch = c.get("p", "x", 32, "t", timeout=5)
+        assert sorted(batch.data["x"][:, 0].tolist()) == [float(x) for x in range(32)]
+
+
+def test_a_torn_last_record_is_cut_off_and_the_rest_replayed(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    cluster = ProcessCluster(1, durability="batched", journal=str(journal))
+    with cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"])
+        for i in range(4):
+            c.put(_rows(4 * i), "p")
+        cluster.procs[0].kill()
+        cluster.procs[0].wait()
+        segment = max(journal.glob("journal-*"))
+        with open(segment, "ab") as f:  # the process died in the middle of a write
+            f.write(b"\x17\x00\x00\x00torn")
+        cluster.restart_controller()
+        assert c.stats("p").partitions["p"].rows == 16
+        c.put(_rows(16), "p")  # appending goes on after the cut
+        batch = c.get("p", "x", 20, "t", timeout=5)
+        assert sorted(batch.data["x"][:, 0].tolist()) == [float(x) for x in range(20)]
+
+
+def test_admission_slots_granted_before_a_kill_are_still_held_after_it(
+    durable: ProcessCluster,
+) -> None:
+    with tqstream.connect(durable.address, FAST) as c:
+        slots = c.admission("slots", name="adm", max_pending_slots=2, max_version_slots=100)
+        held = slots.acquire(2, timeout=5)
+        parked, out = _in_thread(lambda: slots.acquire(1, timeout=30))  # waits for a slot
+        time.sleep(0.3)
+        _restart(durable)
+        assert not out  # both slots are still held: the third still waits
+        slots.release(held[:1])  # the restarted controller knows them
+        parked.join(20)
+        assert out and isinstance(out[0], list) and len(out[0]) == 1, out
+        slots.release([*held[1:], *out[0]])  # type: ignore[misc]
+
+
+def test_a_full_disk_degrades_the_journal_the_controller_serves_on_and_recovers(
+    tmp_path: Path,
+) -> None:
+    """The journal's disk fills up: the controller keeps serving, warns with a typed warning and
+    says so in its metrics; a snapshot retried makes the journal whole again."""
+    import socket
+    import urllib.request
+
+    from tqstream.client.client import Client
+    from tqstream.errors import DurabilityWarning
+    from tqstream.launch.embedded import EmbeddedCluster
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    config = tqstream.ControllerConfig(
+        durability="batched", journal=str(tmp_path / "journal"), metrics_port=port
+    )
+    cluster = EmbeddedCluster(config, tqstream.StorageConfig())
+    client = Client(cluster.address, FAST, on_close=cluster.close)
+
+    def degraded() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("tqstream_journal_degraded "):
+                    return float(line.split()[1])
+        raise AssertionError("no tqstream_journal_degraded in the metrics")
+
+    with client:
+        client.create_partition("p", ["x"], tasks=["t"])
+        client.put(_rows(0), "p")
+        assert degraded() == 0
+        journal = cluster.controller.durable.journal  # type: ignore[union-attr]
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, journal._segment.fd)  # the disk is full from now on
+        os.close(full)
+        with pytest.warns(DurabilityWarning, match="No space left on device"):
+            client.put(_rows(4), "p")  # answered all the same
+            time.sleep(0.2)
+        assert degraded() == 1
+        batch = client.get("p", "x", 8, "t", timeout=5)  # serving goes on
+        assert sorted(batch.data["x"][:, 0].tolist()) == [float(x) for x in range(8)]
+        batch.ack()
+        deadline = time.monotonic() + 15
+        while degraded() and time.monotonic() < deadline:
+            time.sleep(0.2)  # a snapshot is tried every few seconds; it lands in a new file
+        assert degraded() == 0

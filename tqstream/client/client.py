@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import secrets
@@ -109,9 +110,11 @@ class Client:
             raise
         # calls of a client of other processes run on the caller's thread or loop (lanes.py)
         release = functools.partial(_release_on, self._io, self._core)  # no reference to self
-        self._lanes = (
-            Lanes(address, self.config, release, self._io.loop, session) if io is None else None
-        )
+        lanes = self.config
+        if self._core.controller.welcome.durable:  # a lane opened while it restarts waits for it
+            wait = max(lanes.connect_timeout, lanes.reconnect_timeout)
+            lanes = dataclasses.replace(lanes, connect_timeout=wait)
+        self._lanes = Lanes(address, lanes, release, self._io.loop, session) if io is None else None
         self._finalizer = weakref.finalize(
             self, _finalize, self._io if self._owns_io else None, self._core, on_close,
             None, self._lanes,

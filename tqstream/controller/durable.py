@@ -103,21 +103,23 @@ class Stub:
     """The handle of a request replayed from the journal (or restored from a snapshot): it keeps
     its answer until the request's client sends it again (:meth:`bind`), and passes it on then."""
 
-    __slots__ = ("answered", "key", "op", "peer", "reply_msg", "rid", "target")
+    __slots__ = ("answered", "answers", "key", "op", "peer", "reply_msg", "rid", "target")
 
-    def __init__(self, peer: Any, rid: int, op: str) -> None:
+    def __init__(self, peer: Any, rid: int, op: str, answers: Answers | None = None) -> None:
         self.peer, self.rid, self.op = peer, rid, op
         self.key = (peer, rid)
+        self.answers = answers
         self.answered = False
         self.reply_msg: Any = None
         self.target: Any = None
 
     def reply(self, msg: Any, buffers: Any = ()) -> None:
         self.answered = True
+        self.reply_msg = msg
+        if self.answers is not None:
+            self.answers.done(self.key, msg)  # a snapshot keeps the answer, not the stub
         if self.target is not None:
             self.target.reply(msg)
-        else:
-            self.reply_msg = msg
 
     def fail(self, exc: BaseException) -> None:
         self.reply(error_reply(exc, f"the controller failed on {self.op} (request {self.rid})"))
@@ -306,7 +308,8 @@ class Durable:
         data = self._replay.snapshot
         if data is None:
             return None
-        payload: dict[str, Any] = _Unpickler(io.BytesIO(data), self.directory).load()
+        unpickler = _Unpickler(io.BytesIO(data), self.directory)
+        payload: dict[str, Any] = unpickler.load()
         if payload.get("format") != SNAPSHOT_FORMAT or payload.get("cluster") != self.cluster:
             raise JournalClusterError(
                 f"the snapshot in {self.directory} is of format {payload.get('format')!r} for "
@@ -315,6 +318,10 @@ class Durable:
                 directory=self.directory,
             )
         self.answers = payload["answers"]
+        for stub in unpickler.stubs.values():  # requests in flight at the snapshot
+            stub.answers = self.answers
+            if stub.key in self.answers.table:
+                self.answers.table[stub.key] = stub
         return payload
 
     def records(self) -> Any:
@@ -331,7 +338,7 @@ class Durable:
 
     def stub(self, peer: Any, rid: int, op: str) -> Stub:
         """The handle of a replayed request, answers kept under its key."""
-        stub = Stub(peer, rid, op)
+        stub = Stub(peer, rid, op, self.answers)
         self.answers.start(stub.key, stub)
         return stub
 

@@ -105,6 +105,10 @@ class Ids:
         self._next += 1
         return n
 
+    def peek(self) -> int:
+        """The next id, not taken: every id issued so far is smaller."""
+        return self._next
+
     def skip_to(self, first: int) -> None:
         """Never hand out an id below ``first`` (a checkpoint's ids are taken)."""
         self._next = max(self._next, first)

@@ -206,7 +206,8 @@ class ControllerService:
             t.cancel()
         await self.server.close()
         for conn in self.units:
-            conn.close()
+            if conn is not None:  # None: a start that failed while replaying its journal
+                conn.close()
         self.units.clear()
         if self.metrics is not None:
             metrics, self.metrics = self.metrics, None
@@ -253,7 +254,8 @@ class ControllerService:
 
     def _handle(self, msg: Any, responder: Any, now: float) -> Any:
         s = self.state
-        s.now = max(s.now, now)
+        if self.durable is None or journaled(msg):  # a read leaves the state as it is: a replay
+            s.now = max(s.now, now)  # does not see it
         try:
             match msg:
                 case GetMeta():

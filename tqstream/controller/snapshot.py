@@ -145,7 +145,7 @@ def _mask_in(mask: Mask) -> int:
 
 def take(state: ControllerState, now: float) -> Taken:
     """Snapshot ``state`` (see the module docstring); run it within one step of the loop."""
-    before = next(state.ids)
+    before = state.ids.peek()  # taken, it would be a change a journal's replay does not see
     extra: dict[tuple[str, int], int] = {}  # bytes of put_fields in flight, not in the snapshot
     skip: dict[int, list[int]] = {}
     for put in state.puts.values():

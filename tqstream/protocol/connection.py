@@ -180,6 +180,8 @@ class Connection:
                    session)  # fmt: skip
         try:
             hello = Hello(rid=0, protocol=PROTOCOL_VERSION, role=role, session=session)
+            conn.resend = True  # a server that restarts meanwhile gets the hello again
+            conn.reconnect_timeout = connect_timeout
             try:
                 reply, _ = await conn.request(hello, timeout=connect_timeout)
             except (RequestTimeoutError, ConnectionLostError):
@@ -192,6 +194,8 @@ class Connection:
                     address=address,
                     timeout=connect_timeout,
                 ) from None
+            finally:
+                conn.resend = False
             if not isinstance(reply, Welcome):
                 raise InternalError(f"{address} answered hello with {_op(reply)}, not welcome")
             if reply.protocol != PROTOCOL_VERSION:
@@ -251,6 +255,15 @@ class Connection:
                 self._send(frames)
             reply, frames = self._wait(fut, rid, timeout) if waits_here else await fut
         except _Expired:
+            if self.resend and self._down:  # not the server's slowness: it is away
+                raise ControllerUnavailableError(
+                    f"no reply to {op} (request {rid}) within {timeout}s: the server at "
+                    f"{self.address} went away and is not back yet; a controller with a journal "
+                    f"is restarted by its deployment (tqstream-launch, tqstream.ray): retry",
+                    op=op,
+                    address=self.address,
+                    timeout=timeout,
+                ) from None
             raise RequestTimeoutError(
                 f"no reply to {op} (request {rid}) from the server at {self.address} within "
                 f"{timeout}s; the server is busy or stuck, or the timeout is too short",
