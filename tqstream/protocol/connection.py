@@ -447,7 +447,10 @@ class Connection:
                     self.on_up()
             elif event == zmq.EVENT_DISCONNECTED:  # the pending replies died with the connection
                 was_down, self._down = self._down, True
-                if self.resend:  # they are sent again once the server is back
+                # sent again once the server is back; but a handshake that failed before the
+                # first welcome is a refusal (keys), not a restart: it fails at once
+                opening_refused = self._refused is not None and not hasattr(self, "welcome")
+                if self.resend and not opening_refused:
                     if not was_down:
                         self._down_since = time.monotonic()
                         if self._loop.is_running() and self._outage is None:
