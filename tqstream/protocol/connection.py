@@ -101,6 +101,7 @@ class Connection:
         self._outage: asyncio.TimerHandle | None = None
         self._down_since = 0.0
         self._hello = 0  # the rid of the handshake sent again after a reconnect
+        self._refusals = 0  # handshakes that failed
         self._grace: dict[int, asyncio.TimerHandle] = {}  # requests sent while the link is down
         self._down = False
         self._ever_up = False
@@ -431,6 +432,7 @@ class Connection:
                 return
             if event & _HANDSHAKE_FAILED:  # ZMQ retries by itself; the requests would wait
                 self._refused = self._refusal(int(event), int(parsed["value"]))
+                self._refusals += 1
                 if _certain(int(event), int(parsed["value"])):
                     self._fail_all(AuthenticationError, _literal(self._refused))
                 # else the disconnect that follows fails them as lost: a peer that died in the
@@ -447,9 +449,9 @@ class Connection:
                     self.on_up()
             elif event == zmq.EVENT_DISCONNECTED:  # the pending replies died with the connection
                 was_down, self._down = self._down, True
-                # sent again once the server is back; but a handshake that failed before the
-                # first welcome is a refusal (keys), not a restart: it fails at once
-                opening_refused = self._refused is not None and not hasattr(self, "welcome")
+                # sent again once the server is back; but handshakes that failed twice before
+                # the first welcome are a refusal (keys), not a server that died in one: they fail
+                opening_refused = self._refusals > 1 and not hasattr(self, "welcome")
                 if self.resend and not opening_refused:
                     if not was_down:
                         self._down_since = time.monotonic()
