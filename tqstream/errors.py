@@ -53,6 +53,7 @@ __all__ = [
     "ProtocolVersionError",
     "RequestTimeoutError",
     "SchemaError",
+    "StaleRowError",
     "TQStreamError",
     "TagError",
     "UnitLostError",
@@ -193,6 +194,15 @@ class UnknownRowError(TQStreamError, KeyError):
     """A request refers to rows that no longer exist (cleared since the metadata was obtained)."""
 
     code = "unknown_row"
+
+
+class StaleRowError(UnknownRowError):
+    """A read or a write names rows of an earlier incarnation (generation) of their partition than
+    the one a storage unit holds: the partition was cleared or restored since the metadata was
+    obtained, so its row ids may name other samples now. An ``UnknownRowError``: the rows the
+    metadata knew are gone."""
+
+    code = "stale_row"
 
 
 class NotReadyError(TQStreamError, LookupError):

@@ -141,6 +141,9 @@ class BatchMeta(msgspec.Struct, frozen=True):
     token_window: list[int] | None = None  # a token-measure read: [current_version, max_staleness]
     # per field put through the TransferQueue compatibility layer, its rows' shapes (RowShapes)
     shapes: dict[str, RowShapes] = {}
+    # the incarnation of the partition the rows belong to (a clear or a restore makes a new one):
+    # a storage unit serves the rows only to a read of the generation they were written with
+    generation: int = 0
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -174,6 +177,7 @@ class BatchMeta(msgspec.Struct, frozen=True):
             replicas=opt(self.replicas),
             tags=opt(self.tags),
             shapes={f: s.select(pick) for f, s in self.shapes.items()},
+            generation=self.generation,
         )
 
 

@@ -55,6 +55,7 @@ async def _prepare_and_store_without_commit(
                 chunk=seg.chunk,
                 row_ids=list(plan.rows()[seg.start : seg.stop]),
                 columns=[ref],
+                generation=plan.generation,
             ),
             bufs,
             timeout=5,

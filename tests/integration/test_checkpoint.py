@@ -226,7 +226,8 @@ async def _store_without_commit(address: str, units: list[str], meanwhile: Any) 
         unit = await Connection.open(ctx, units[seg.unit], **kw)
         ref, bufs = column_to_wire("tokens", cols["tokens"].slice(seg.start, seg.stop), 1)
         rows = list(plan.rows()[seg.start : seg.stop])
-        store = Store(rid=0, partition="train", chunk=seg.chunk, row_ids=rows, columns=[ref])
+        store = Store(rid=0, partition="train", chunk=seg.chunk, row_ids=rows, columns=[ref],
+                      generation=plan.generation)  # fmt: skip
         reply, _ = await unit.request(store, bufs, timeout=5)
         assert isinstance(reply, Ok)
         unit.close()

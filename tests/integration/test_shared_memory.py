@@ -747,7 +747,8 @@ def test_fetch_of_shared_rows_answers_regions(embedded: Client) -> None:
     address = embedded.stats().units[0].address
 
     async def body(conn: Connection) -> None:
-        fetch = Fetch(rid=0, partition="p", row_ids=meta.row_ids[2:6], fields=["x"], shared=True)
+        fetch = Fetch(rid=0, partition="p", row_ids=meta.row_ids[2:6], fields=["x"], shared=True,
+                      generation=meta.generation)  # fmt: skip
         reply, frames = await conn.request(fetch, timeout=5)
         (region,) = reply.shared.values()
         assert region.name.startswith(f"tqs-{token}-c") and region.nbytes == 4 * 4 * 8

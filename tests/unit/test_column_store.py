@@ -18,6 +18,7 @@ from tqstream.errors import (
     FieldExistsError,
     InvalidRequestError,
     SchemaError,
+    StaleRowError,
     UnknownRowError,
 )
 from tqstream.protocol.columns import Column
@@ -202,6 +203,44 @@ def test_chunk_dropped_before_it_arrives_is_refused(store):
     with pytest.raises(InvalidRequestError, match="arrived after its put was rolled back"):
         store.add_chunk("p", 42, [50], make_columns("d", [50], 42))
     assert store.chunks == 1 and store.rows == 10
+
+
+def test_rows_are_served_to_reads_of_their_generation_only():
+    """A row is (row id, generation): a read of an earlier generation is refused, a write of one
+    too; a newer generation's first write drops the older rows (a schema of theirs with them),
+    even when the same row ids come back with other bytes."""
+    released: list[int] = []
+    s = ColumnStore(on_release=lambda chunk, held: released.append(chunk))
+    rows = list(range(4))
+    s.add_chunk("p", 1, rows, make_columns("d", rows, 1), generation=7)
+    assert content(s.fetch("p", rows, ["d"], 7)["d"]) == [value("d", r, 1) for r in rows]
+    with pytest.raises(StaleRowError) as info:
+        s.fetch("p", [2, 3], ["d"], 6)
+    assert str(info.value) == (
+        "a read of 2 rows of partition 'p' (row ids 2, 3) names generation 6, but this storage "
+        "unit holds the partition's rows of generation 7: the batch's metadata is of an earlier "
+        "incarnation of the partition, cleared or restored since it was obtained, and its row ids "
+        "may name other samples now; nothing was read: get fresh metadata (get_meta, get_by_keys)"
+    )
+    assert info.value.details == {
+        "partition": "p", "rows": [2, 3], "count": 2, "generation": 6, "held": 7,
+    }  # fmt: skip
+    with pytest.raises(UnknownRowError) as unknown:  # a newer one's rows: not here yet
+        s.fetch("p", rows, ["d"], 8)
+    assert not isinstance(unknown.value, StaleRowError)
+    with pytest.raises(StaleRowError, match="while the write was in flight; nothing was stored"):
+        s.add_chunk("p", 2, [9], make_columns("d", [9], 2), generation=6)
+    assert s.chunks == 1 and not released
+    newer = {"d": make_columns("r", rows, 3)["r"]}  # field d, of another schema now
+    s.add_chunk("p", 3, rows, newer, generation=8)
+    assert released == [1] and s.chunks == 1 and s.rows == 4
+    assert content(s.fetch("p", rows, ["d"], 8)["d"]) == [value("r", r, 3) for r in rows]
+    with pytest.raises(StaleRowError):
+        s.fetch("p", rows, ["d"], 7)
+    assert s.stale("p", 7) and not s.stale("p", 8) and not s.stale("q", 0)
+    s.drop_rows("p", rows)  # all gone: the partition, and its generation, are forgotten
+    s.add_chunk("p", 4, rows, make_columns("d", rows, 4), generation=7)
+    assert content(s.fetch("p", rows, ["d"], 7)["d"]) == [value("d", r, 4) for r in rows]
 
 
 def test_released_chunks_free_their_frames():

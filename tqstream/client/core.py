@@ -549,7 +549,9 @@ class ClientCore:
                 rows = plan.rows()[seg.start : seg.stop]
                 for unit in (seg.unit, seg.replica):
                     if unit >= 0:
-                        jobs.append(self._store(partition, unit, seg.chunk, rows, part))
+                        jobs.append(
+                            self._store(partition, unit, seg.chunk, rows, part, plan.generation)
+                        )
             await _all(jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), MetaReply)
             meta = reply.batch()
@@ -673,8 +675,9 @@ class ClientCore:
                 for unit in (seg.unit, seg.replica):
                     if unit >= 0:
                         jobs.append(
-                            self._store(req.partition, unit, seg.chunk, rows, part, req.overwrite)
-                        )
+                            self._store(req.partition, unit, seg.chunk, rows, part,
+                                        plan.generation, req.overwrite)
+                        )  # fmt: skip
             await _all(jobs)
             reply = await self._ask(CommitPut(rid=0, put_id=plan.put_id), (Ok, MetaReply))
             return reply.batch() if isinstance(reply, MetaReply) else None
@@ -694,16 +697,19 @@ class ClientCore:
         chunk: int,
         rows: Sequence[int],
         part: dict[str, Column],
+        generation: int,
         overwrite: bool = False,
     ) -> None:
-        """Store one chunk on ``unit``; a shared-memory store learns the unit's spares."""
+        """Store one chunk of rows of ``generation`` (the plan's) on ``unit``; a shared-memory
+        store learns the unit's spares."""
         conn = await self._unit(unit)
         token = self._token(unit)
         refs, buffers = columns_to_wire(part, parts=bool(token))  # rows copied into place
         run = isinstance(rows, range) and len(rows) > 0
         msg = Store(rid=0, partition=partition, chunk=chunk, columns=refs, overwrite=overwrite,
                     local=unit in self.hosted, row_ids=[] if run else list(rows),
-                    first_row=rows[0] if run else 0, n_rows=len(rows) if run else 0)  # fmt: skip
+                    first_row=rows[0] if run else 0, n_rows=len(rows) if run else 0,
+                    generation=generation)  # fmt: skip
         size = sum(nbytes(b) for b in buffers)
         kept = 0
         if token and buffers and size >= self.config.shared_memory_min_bytes:
@@ -799,6 +805,7 @@ class ClientCore:
                 shared=bool(token),
                 local=unit in self.hosted,
                 into=offered,
+                generation=meta.generation,
             )
             try:
                 reply, frames = await self._ask(msg, Columns, conn=conn)

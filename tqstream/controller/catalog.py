@@ -76,7 +76,9 @@ class Catalog:
             )
         p = self.partitions.get(name)
         if p is None:
-            born = next(self.ids)  # leases with smaller ids belong to an earlier incarnation
+            # the incarnation: leases with smaller ids belong to an earlier one, and its rows'
+            # bytes are written and read under it (the rows' generation, BatchMeta.generation)
+            born = next(self.ids)
             # each incarnation's keys differ from an earlier one's; derived, not drawn: a
             # journal's replay makes the same
             prefix = hashlib.blake2b(f"{name}/{born}".encode(), digest_size=4).hexdigest()
@@ -222,6 +224,7 @@ class Catalog:
             replicas=replicas if max(replicas, default=-1) >= 0 else [],
             tags=tags if any(tags) else [],
             shapes=p.shapes.of(fields, ids) if p.shapes else {},
+            generation=p.born,
         )
 
     @staticmethod
@@ -248,6 +251,7 @@ class Catalog:
             dispatch_version=versions[2][1],
             fields=list(fields),
             schemas={f: p.schemas[f] for f in fields if f in p.schemas},
+            generation=p.born,
         )
 
     def expire_ttl(self, owner: Partition, row_ids: list[int], effects: Effects) -> None:

@@ -218,7 +218,8 @@ class Checkpoints:
             ready = restore.prepare(s, snap, where)  # a damaged state: before any loading
             # The saved chunks take ids of this cluster's, never issued before (so no tombstone or
             # reset of a unit refuses them): saved id + base, all below the fence; every later
-            # put's are above it.
+            # put's are above it. The restored partitions are incarnation base: their rows are
+            # loaded under that generation, which no metadata issued here before carries.
             base = next(s.ids)
             restore.reserve_ids(s, base + snap.next_id)
             fence = next(s.ids)
@@ -230,7 +231,8 @@ class Checkpoints:
             jobs = {
                 unit: asyncio.ensure_future(
                     self.service.units[unit].request(
-                        LoadUnit(rid=0, files=files, chunk_base=base), timeout=msg.timeout
+                        LoadUnit(rid=0, files=files, chunk_base=base, generation=base),
+                        timeout=msg.timeout,
                     )
                 )
                 for unit, files in sorted(orders.items())
@@ -241,7 +243,7 @@ class Checkpoints:
                     if isinstance(result, BaseException):
                         raise self._unit_failed(unit, f"load its files of {path}", result, path)
                 # one step, with the check above
-                effects = restore.install(s, ready, self.service._clock(), empty)
+                effects = restore.install(s, ready, self.service._clock(), empty, base)
             except BaseException:
                 await asyncio.shield(self._unload(snap, fence))
                 raise

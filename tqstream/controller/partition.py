@@ -63,7 +63,9 @@ class Partition:
         self.tasks = Consumption(self)  # who consumed what, and the views of what is ready
         self.seq = 0
         self.committed = 0
-        self.born = 0  # set by the controller: the id counter's value at creation
+        # set by the controller: the id counter's value at creation, or the load's that restored
+        # it (the incarnation id; the rows' generation at the storage units)
+        self.born = 0
         self.registered: list[str] = []  # a row all of these tasks acked is freed
         self.ttl: float | None = None
         self.admission: str | None = None  # a capacity admission gets stale evictions back

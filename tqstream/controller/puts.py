@@ -179,7 +179,7 @@ class Puts:
         put.rejected = req.rejected  # an aborted put that is retried must not count them twice
         put.shapes = req.shapes
         return PutPlan(rid=req.rid, put_id=put.put_id, first_row=ids.start, n_rows=len(ids),
-                       segments=segments)  # fmt: skip
+                       segments=segments, generation=p.born)  # fmt: skip
 
     def prepare_fields(self, req: PrepareFields, now: float, owner: Any = None) -> FieldsPlan:
         """Plan a put_fields: new columns (or, with ``overwrite``, new values) for committed rows,
@@ -253,6 +253,7 @@ class Puts:
             segments=segments,
             positions=positions,
             row_ids=[r.id for r in rows] if put.keyed else [],
+            generation=p.born,
         )
 
     def _place_new(

@@ -5,7 +5,10 @@ anything (a checkpoint that is not self-consistent raises ``CheckpointCorruptErr
 storage units load a byte; :func:`install` puts it in place in one step once they did. Row ids,
 keys and the id counter (leases, puts, chunks) continue after the saved ones, so nothing issued
 later can collide with a restored name; views are rebuilt lazily by the first get that needs
-them.
+them. A restored partition is a new incarnation (``Partition.born``, its rows' generation at the
+storage units): the load's id, never issued before in this cluster, so that metadata of an
+earlier incarnation of its name here (cleared, or restored before) reads none of its rows, whose
+ids it may reuse.
 """
 
 from __future__ import annotations
@@ -153,11 +156,19 @@ def prepare(state: ControllerState, snap: ControllerSnapshot, where: Placement) 
     return Prepared(snap, built, [_admission(entry) for entry in snap.admissions], losses)
 
 
-def install(state: ControllerState, ready: Prepared, now: float, empty: Replaceable) -> Effects:
+def install(
+    state: ControllerState,
+    ready: Prepared,
+    now: float,
+    empty: Replaceable,
+    born: int | None = None,
+) -> Effects:
     """Install a prepared snapshot in one step. A partition of the checkpoint's names must not
     exist, or be one of ``empty`` that nobody has put to since: it is then replaced (cleared: the
     returned effects fail its waiting gets). An admission of the same name must not have granted
-    slots. Otherwise ``CheckpointError``, and ``state`` is unchanged."""
+    slots. Otherwise ``CheckpointError``, and ``state`` is unchanged. ``born``: the restored
+    partitions' incarnation id, the one their rows were loaded under (an id of ``state``'s the
+    load took; None: the next one)."""
     clash = []
     for p, _ in ready.partitions:
         now_p, was = state.partitions.get(p.name), empty.get(p.name)
@@ -180,7 +191,9 @@ def install(state: ControllerState, ready: Prepared, now: float, empty: Replacea
         )
     check_admissions(state, ready.snap, "")
     effects = Effects()
+    born = next(state.ids) if born is None else born
     for p, ttls in ready.partitions:
+        p.born = born
         if p.name in state.partitions:  # empty since before the load: nothing of it on the units
             replaced = state.clear_partition(p.name)
             replaced.drop_partitions.clear()  # which would drop the chunks just loaded
@@ -277,7 +290,7 @@ def _build(
         task.lost, task.consumed, task.tokens_masked = te.lost, te.consumed, te.tokens_masked
     if not all(rid in p.rows for ttl in e.ttl_left for rid in ttl.rows):
         raise _corrupt(f"partition {e.name!r} has a ttl for unknown rows")
-    p.seq, p.born = e.seq, e.born
+    p.seq = e.seq  # born: the load's, at install
     p.registered, p.ttl, p.admission = list(e.registered), e.ttl, e.admission
     p.produced, p.rejected, p.stale_dropped = e.produced, e.rejected, e.stale_dropped
     p.expired, p.freed, p.producers, p.closes = e.expired, e.freed, e.producers, e.closes

@@ -29,7 +29,7 @@ from tqstream.types import (
     UnitStats,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # --- bounds of every number a request carries: checked when a server decodes it (a request out of
 # them is refused with MalformedMessageError naming the field) and by the client before sending
@@ -346,6 +346,9 @@ class Store(_Msg, frozen=True, tag="store"):
     local: bool = False  # the writer is on the unit's host (counted in UnitStats.local_bytes)
     first_row: Id = 0
     n_rows: Rows = 0
+    # the incarnation of the partition the rows belong to (PutPlan.generation): a unit refuses a
+    # write of an older one than it holds, and drops what it holds of an older one at a newer's
+    generation: Id = 0
 
     def rows(self) -> Sequence[int]:
         return self.row_ids or range(self.first_row, self.first_row + self.n_rows)
@@ -359,6 +362,8 @@ class Fetch(_Msg, frozen=True, tag="fetch"):
     local: bool = False  # the reader is on the unit's host (counted in UnitStats.local_read_bytes)
     # the client's receive segments tqs-<token>-r<n> nobody holds: gathered rows go into one
     into: list[Spare] = []
+    # BatchMeta.generation of the metadata read: rows written under another are not served
+    generation: Id = 0
 
 
 class PutRows(_Msg, frozen=True, tag="put_rows"):
@@ -511,6 +516,7 @@ class LoadUnit(_Msg, frozen=True, tag="load_unit"):
 
     files: Names
     chunk_base: Id = 0
+    generation: Id = 0  # of the partitions loaded: the load's own incarnation id (chunk_base)
 
 
 Request = (
@@ -576,6 +582,7 @@ class PutPlan(_Msg, frozen=True, tag="put_plan"):
     first_row: int
     n_rows: int
     segments: list[PlanSegment]
+    generation: int = 0  # the partition's incarnation: every Store of the put carries it
 
     def rows(self) -> range:
         return range(self.first_row, self.first_row + self.n_rows)
@@ -598,6 +605,7 @@ class PackedMeta(msgspec.Struct, frozen=True, array_like=True):
     dispatch_version: int | None
     fields: list[str]
     schemas: dict[str, FieldSchema]
+    generation: int = 0  # BatchMeta.generation
 
     def row_ids(self) -> range:
         return range(self.first, self.first + self.n)
@@ -617,6 +625,7 @@ class PackedMeta(msgspec.Struct, frozen=True, array_like=True):
             schemas=self.schemas,
             dispatch_version=[self.dispatch_version] * n,
             replicas=_unrun(self.replicas),
+            generation=self.generation,
         )
 
 
@@ -629,17 +638,18 @@ def _unrun(runs: list[int]) -> list[int]:
 
 class StoredReply(_Msg, frozen=True, tag="stored"):
     """One put of a ``PutStored``, committed: its rows (``meta``, or ``packed`` when they are
-    plain), and the chunk id under which the unit indexes them."""
+    plain), and the chunk id and generation under which the unit indexes them."""
 
     chunk: int
     meta: BatchMeta | None = None
     packed: PackedMeta | None = None
+    generation: int = 0  # the rows' (meta.generation), read by a unit that does not decode meta
 
     @classmethod
     def of(cls, rid: int, chunk: int, meta: BatchMeta | PackedMeta) -> StoredReply:
         if isinstance(meta, PackedMeta):
-            return cls(rid=rid, chunk=chunk, packed=meta)
-        return cls(rid=rid, chunk=chunk, meta=meta)
+            return cls(rid=rid, chunk=chunk, packed=meta, generation=meta.generation)
+        return cls(rid=rid, chunk=chunk, meta=meta, generation=meta.generation)
 
 
 class ErrorReply(_Msg, frozen=True, tag="error"):
@@ -670,6 +680,7 @@ class FieldsPlan(_Msg, frozen=True, tag="fields_plan"):
     segments: list[PlanSegment]
     positions: list[list[int]]
     row_ids: list[int] = []
+    generation: int = 0  # as PutPlan.generation
 
 
 class MetaReply(_Msg, frozen=True, tag="meta"):
@@ -780,6 +791,7 @@ class StoredRelay(_Msg, frozen=True, tag="stored"):
     chunk: int
     meta: msgspec.Raw = msgspec.Raw(NIL)
     packed: msgspec.Raw = msgspec.Raw(NIL)
+    generation: int = 0
 
     def row_ids(self) -> Sequence[int]:
         if bytes(self.packed) != NIL:

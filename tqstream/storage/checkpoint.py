@@ -138,9 +138,10 @@ class UnitCheckpoints:
                 # in id order, newest last: a field written again (put_fields with overwrite)
                 # takes the value of its latest write, as it had when saved
                 for chunk, rows, columns in sorted(chunks, key=lambda c: c[0]):
-                    self.store.add_chunk(partition, msg.chunk_base + chunk, rows, columns, True)
-                    self.store.publish(msg.chunk_base + chunk)
-                    added.append(msg.chunk_base + chunk)
+                    chunk_id = msg.chunk_base + chunk
+                    self.store.add_chunk(partition, chunk_id, rows, columns, True, msg.generation)
+                    self.store.publish(chunk_id)
+                    added.append(chunk_id)
         except TQStreamError as exc:
             self.store.drop_chunks(added)  # all or nothing
             raise CheckpointError(

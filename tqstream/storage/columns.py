@@ -9,6 +9,14 @@ one chunk is served as a zero-copy slice. Different chunks may hold different fi
 Memory: a chunk is released, with every frame it pins, when its *last* live row is dropped; until
 then its whole size counts in :attr:`ColumnStore.bytes`. The per-row index below is metadata only
 (dicts of row id -> chunk), so every operation costs O(rows touched x fields), never O(partition).
+
+Write identity: a row is (row id, generation), the generation being the incarnation of its
+partition the controller gave (``BatchMeta.generation``; a clear or a restore makes a new one, and
+row ids may be reused across them). A partition here holds the rows of one generation: a write of
+a newer one drops those of the older first (the controller cleared it: its drop order may still be
+on its way), a write of an older one is refused, and a read is served only the rows of its own
+generation (:class:`~tqstream.errors.StaleRowError` for an older one; a newer one has not reached
+this unit yet: its rows are unknown). So a row id reused never serves another sample's bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from tqstream.errors import (
     FieldExistsError,
     InvalidRequestError,
     SchemaError,
+    StaleRowError,
     UnknownRowError,
 )
 from tqstream.protocol.columns import Column, torch_dtype
@@ -56,9 +65,10 @@ class _Chunk:
 
 
 class _Partition:
-    __slots__ = ("chunks", "fields", "rows", "schemas")
+    __slots__ = ("chunks", "fields", "generation", "rows", "schemas")
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int) -> None:
+        self.generation = generation  # of every row held (see the module docstring)
         self.chunks: dict[int, _Chunk] = {}
         self.fields: dict[str, RowMap[_Chunk]] = {}  # field -> row -> the chunk holding it
         # row -> every chunk holding one of its fields: the chunk itself while it is one (a put's
@@ -154,8 +164,11 @@ class ColumnStore:
         row_ids: Sequence[int],
         columns: Mapping[str, Column],
         overwrite: bool = False,
+        generation: int = 0,
     ) -> None:
-        """Store one chunk; everything is checked before anything changes (all or nothing).
+        """Store one chunk of rows of ``generation``; everything is checked before anything
+        changes (all or nothing). The rows of an older generation go as it is stored; a chunk of
+        an older generation than the partition's here is refused (``StaleRowError``).
 
         ``overwrite``: the chunk may hold fields the rows have already (else that is an error).
         Those values are *staged*: readers keep getting the old ones until :meth:`publish` (the
@@ -163,6 +176,8 @@ class ColumnStore:
         back) leaves the old ones in place: an overwrite is all or nothing, like any write."""
         self.check_arrival(partition, chunk_id)
         where = f"chunk {chunk_id} of partition {partition!r}"
+        if self.stale(partition, generation):
+            raise self._stale(partition, list(row_ids), generation, "write")
         n = len(row_ids)
         if n == 0 or not columns:
             raise BatchShapeError(
@@ -178,6 +193,9 @@ class ColumnStore:
                 chunk=chunk_id,
             )
         part = self._partitions.get(partition)
+        older = part is not None and part.generation < generation  # an earlier incarnation's
+        if older:
+            part = None  # checked as the first write of its generation
         for name, col in columns.items():
             if col.n_rows != n:
                 raise BatchShapeError(
@@ -205,7 +223,9 @@ class ColumnStore:
                     field=name,
                     rows=clash[:_SHOWN],
                 )
-        part = self._partitions.setdefault(partition, _Partition())
+        if older:
+            self.drop_partition(partition)
+        part = self._partitions.setdefault(partition, _Partition(generation))
         chunk = _Chunk(chunk_id, partition, row_ids, dict(columns))
         for name, col in columns.items():
             part.schemas[name] = col.schema
@@ -275,15 +295,24 @@ class ColumnStore:
         if not chunk.positions:
             self._release(part, chunk)
 
+    def stale(self, partition: str, generation: int) -> bool:
+        """The partition's rows here are of a newer generation than ``generation``."""
+        part = self._partitions.get(partition)
+        return part is not None and generation < part.generation
+
     def fetch(
-        self, partition: str, row_ids: Sequence[int], fields: Sequence[str]
+        self, partition: str, row_ids: Sequence[int], fields: Sequence[str], generation: int = 0
     ) -> dict[str, Column]:
-        """Per field, a column of ``row_ids`` in that order.
+        """Per field, a column of ``row_ids`` (rows of ``generation``) in that order.
 
         Rows that sit in order in one chunk come back as a zero-copy slice of it (sharing its
         memory: read-only); any other batch is gathered with one copy per chunk run plus a concat.
         """
         part = self._partitions.get(partition)
+        if part is not None and part.generation != generation:
+            if generation < part.generation:
+                raise self._stale(partition, list(row_ids), generation, "read")
+            part = None  # a newer generation's rows, not here (yet)
         out: dict[str, Column] = {}
         plans: list[tuple[list[_Chunk], _Plan]] = []  # fields of one put share their chunks
         for name in fields:
@@ -441,6 +470,27 @@ class ColumnStore:
         self._on_release(chunk.id, True)
         if not part.chunks:  # nothing left: forget the partition (its index is empty too)
             self._partitions.pop(chunk.partition, None)
+
+    def _stale(self, partition: str, rows: list[int], generation: int, op: str) -> StaleRowError:
+        held = self._partitions[partition].generation
+        action = (
+            "the batch's metadata is of an earlier incarnation of the partition, cleared or "
+            "restored since it was obtained, and its row ids may name other samples now; nothing "
+            "was read: get fresh metadata (get_meta, get_by_keys)"
+            if op == "read"
+            else "the partition was cleared or restored while the write was in flight; nothing "
+            "was stored: put the data again"
+        )
+        return StaleRowError(
+            f"a {op} of {len(rows)} rows of partition {partition!r} (row ids {_some(rows)}) names "
+            f"generation {generation}, but this storage unit holds the partition's rows of "
+            f"generation {held}: {action}",
+            partition=partition,
+            rows=rows[:_SHOWN],
+            count=len(rows),
+            generation=generation,
+            held=held,
+        )
 
     def _unknown(
         self, partition: str, name: str, missing: list[int], asked: int

@@ -43,6 +43,7 @@ from tqstream.errors import (
     InternalError,
     InvalidRequestError,
     MalformedMessageError,
+    StaleRowError,
     TQStreamError,
     UnknownRowError,
 )
@@ -223,7 +224,9 @@ class StorageService:
     def _store(self, msg: Store, frames: list[Any]) -> Ok:
         if not msg.shared:
             columns = {ref.name: column_from_wire(ref, frames) for ref in msg.columns}
-            self.store.add_chunk(msg.partition, msg.chunk, msg.rows(), columns, msg.overwrite)
+            self.store.add_chunk(
+                msg.partition, msg.chunk, msg.rows(), columns, msg.overwrite, msg.generation
+            )
             self._count(columns, msg.local)
             return Ok(rid=msg.rid, count=len(msg.rows()))
         if self.segments is None:
@@ -237,7 +240,9 @@ class StorageService:
             self.store.check_arrival(msg.partition, msg.chunk)  # before the segment's name is used
             views = [frames[0], *self.segments.adopt(msg.chunk, msg.shared)]
             columns = {ref.name: column_from_wire(ref, views) for ref in msg.columns}
-            self.store.add_chunk(msg.partition, msg.chunk, msg.rows(), columns, msg.overwrite)
+            self.store.add_chunk(
+                msg.partition, msg.chunk, msg.rows(), columns, msg.overwrite, msg.generation
+            )
         except BaseException:
             if not self.store.holds(msg.chunk):  # nothing stored: leave no orphan segment either
                 self.segments.release(msg.chunk)
@@ -328,14 +333,19 @@ class StorageService:
         try:
             reply = await landing.answer
             rows = reply.row_ids()
-            self.checkpoints.landed(partition, reply.chunk, rows, columns)  # before its drops
+            # the partition cleared since the commit, and written to again: these rows are gone
+            stale = self.store.stale(partition, reply.generation)
+            if not stale:
+                self.checkpoints.landed(partition, reply.chunk, rows, columns)  # before its drops
             before = landing.cleared_before
-            if before < 0 or (before and reply.chunk >= before):  # not cleared since the commit
+            if not stale and (before < 0 or (before and reply.chunk >= before)):  # not cleared
                 if segment:  # named as the chunk's before any fetch can answer with its regions
                     self.segments.landed(reply.chunk, segment)  # type: ignore[union-attr]
                     segment = ""
                 try:
-                    self.store.add_chunk(partition, reply.chunk, rows, columns)
+                    self.store.add_chunk(
+                        partition, reply.chunk, rows, columns, generation=reply.generation
+                    )
                 except BaseException:
                     self._released(reply.chunk, False)
                     raise
@@ -374,12 +384,14 @@ class StorageService:
                 waiting = set(pending)
             try:
                 return self._fetch(msg)
+            except StaleRowError:
+                raise
             except UnknownRowError:
                 if not waiting or left <= 0:
                     raise
 
     def _fetch(self, msg: Fetch) -> tuple[Columns, list[Any]]:
-        columns = self.store.fetch(msg.partition, msg.row_ids, msg.fields)
+        columns = self.store.fetch(msg.partition, msg.row_ids, msg.fields, msg.generation)
         self.served[msg.local] += sum(col.nbytes for col in columns.values())
         refs, buffers = columns_to_wire(columns)
         if not msg.shared or self.segments is None:
@@ -427,6 +439,8 @@ class StorageService:
             case Fetch():
                 try:
                     return self._fetch(msg)
+                except StaleRowError:
+                    raise  # no landing makes an earlier generation's metadata current
                 except UnknownRowError:
                     landings = self._in_flight(msg.partition)
                     if not landings:

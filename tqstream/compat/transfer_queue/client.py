@@ -341,7 +341,9 @@ class AsyncTransferQueueClient:
             custom_meta=[dict(t) for t in meta.tags] if meta.tags else None,
             _custom_backend_meta=[{} for _ in range(n)],
             _cluster=self.client.cluster,
-            _placement=list(zip(meta.units, meta.replicas or [-1] * n, strict=True)),
+            _placement=list(
+                zip(meta.units, meta.replicas or [-1] * n, [meta.generation] * n, strict=True)
+            ),
         )
 
     def _check(self, metadata: BatchMeta) -> None:
@@ -532,9 +534,9 @@ def _by_partition(metadata: BatchMeta) -> list[BatchMeta]:
 def _handle(metadata: BatchMeta, fields: Sequence[str] = ()) -> RowsMeta:
     """The tqstream handle of the samples' rows, built from the metadata alone."""
     n = metadata.size
-    placement = metadata._placement or [(-1, -1)] * n
-    units = [u for u, _ in placement]
-    replicas = [r for _, r in placement]
+    placement = metadata._placement or [(-1, -1, 0)] * n
+    units = [u for u, _, _ in placement]
+    replicas = [r for _, r, _ in placement]
     return RowsMeta(
         partition=metadata.partition_ids[0],
         row_ids=list(metadata.global_indexes),
@@ -546,6 +548,7 @@ def _handle(metadata: BatchMeta, fields: Sequence[str] = ()) -> RowsMeta:
         fields=list(fields),
         schemas={},
         replicas=replicas if any(r >= 0 for r in replicas) else [],
+        generation=placement[0][2] if placement else 0,  # one partition's: the units check it
     )
 
 

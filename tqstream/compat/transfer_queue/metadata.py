@@ -15,7 +15,8 @@ keeps them aligned. Two private slots exist only here:
 ``_cluster``
     The token of the tqstream cluster that produced the object, ``None`` when the user built it.
 ``_placement``
-    Per sample, ``(storage unit index, replica unit index or -1)`` of the row in that cluster, or
+    Per sample, ``(storage unit index, replica unit index or -1, generation)`` of the row in that
+    cluster (the generation: its partition's incarnation, which the units check at a read), or
     ``None`` when unknown. It lets the backend read and write rows on the storage units directly,
     without asking the controller where they live. It is a hint, to be trusted only when
     ``_cluster`` names the cluster the backend talks to; when it is ``None`` (or the cluster
@@ -46,8 +47,9 @@ FieldMeta = dict[str, Any]
 """One field's schema: ``dtype``, ``shape``, ``is_nested``, ``is_non_tensor`` and, for ragged
 (nested) fields, ``per_sample_shapes``."""
 
-Placement = tuple[int, int]
-"""``(storage unit index, replica unit index or -1)`` of one row in a tqstream cluster."""
+Placement = tuple[int, int, int]
+"""``(storage unit index, replica unit index or -1, generation)`` of one row in a tqstream
+cluster."""
 
 _READY = 1  # production_status of a sample whose fields are all written; 0 means not yet
 
@@ -154,7 +156,7 @@ def _own_rows(rows: Sequence[Mapping[str, Any]] | None, size: int, name: str) ->
 
 
 def _own_placement(placement: Iterable[Sequence[int]], size: int) -> list[Placement]:
-    rows = [(int(unit), int(replica)) for unit, replica in placement]
+    rows = [(int(unit), int(replica), int(generation)) for unit, replica, generation in placement]
     if len(rows) != size:
         raise ValueError(f"_placement has {len(rows)} entries but the batch has {size} samples")
     return rows
