@@ -246,6 +246,8 @@ class Checkpoints:
                 effects = restore.install(s, ready, self.service._clock(), empty, base)
             except BaseException:
                 await asyncio.shield(self._unload(snap, fence))
+                # the ids it took are taken: a snapshot says so to a journal's replay
+                await asyncio.shield(self.service._loaded())
                 raise
             self.service._apply(effects)  # gets waiting on a replaced empty partition fail
             self.service._rearm()  # the restored ttls
