@@ -42,6 +42,7 @@ def _result(proc: subprocess.Popen[str], limit: float) -> dict[str, list]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(SECONDS + 240)  # the kills, then the clients' last reads and the checks
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_every_acked_row_is_read_once_by_each_task_while_the_controller_dies(
     tmp_path: Path, replicas: int
