@@ -330,3 +330,15 @@ def test_a_full_disk_degrades_the_journal_the_controller_serves_on_and_recovers(
         while degraded() and time.monotonic() < deadline:
             time.sleep(0.2)  # a snapshot is tried every few seconds; it lands in a new file
         assert degraded() == 0
+
+
+def test_a_controller_that_does_not_come_back_fails_requests_naming_it(tmp_path: Path) -> None:
+    cluster = ProcessCluster(1, durability="batched", journal=str(tmp_path / "journal"))
+    config = tqstream.ClientConfig(connect_timeout=3.0, reconnect_timeout=2.0)
+    with cluster, tqstream.connect(cluster.address, config) as c:
+        c.create_partition("p", ["x"])
+        cluster.procs[0].kill()
+        cluster.procs[0].wait()
+        time.sleep(0.5)  # the connection has seen it go
+        with pytest.raises(tqstream.ControllerUnavailableError, match="did not come back"):
+            c.stats("p")
