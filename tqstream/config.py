@@ -121,6 +121,10 @@ class ControllerConfig(_ServerConfig):
     snapshot_records: int = 200_000
     """Journal records after which the controller writes a snapshot of its state and starts a
     fresh journal: what a restart replays at most."""
+    reconnect_grace: float = 30.0
+    """Seconds a restarted controller waits for the clients it knew to reconnect; what one that
+    did not come back held (puts in flight, leases, admission slots) is then rolled back, as for a
+    client whose connection dropped."""
 
     def __post_init__(self) -> None:
         _check(self, "controller")

@@ -4,7 +4,11 @@ and what cannot be recovered (a unit that died meanwhile) is counted, not silent
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,11 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq.asyncio
 
 import tqstream
 from tqstream.controller.service import ControllerService
+from tqstream.convert.inputs import columns_from_data
 from tqstream.errors import JournalClusterError
 from tqstream.launch.processes import ProcessCluster
+from tqstream.protocol.connection import Connection
+from tqstream.protocol.messages import Ok, Store
+from tqstream.protocol.wire import columns_to_wire
 
 FAST = tqstream.ClientConfig(connect_timeout=3.0, reconnect_timeout=30.0)
 
@@ -342,3 +351,112 @@ def test_a_controller_that_does_not_come_back_fails_requests_naming_it(tmp_path:
         time.sleep(0.5)  # the connection has seen it go
         with pytest.raises(tqstream.ControllerUnavailableError, match="did not come back"):
             c.stats("p")
+
+
+_HOLDER = """
+import sys, time, torch, tqstream
+c = tqstream.connect(sys.argv[1])
+slots = c.admission("slots", name="adm", max_pending_slots=2, max_version_slots=100)
+slots.acquire(2, timeout=10)
+batch = c.get("p", "x", 8, "t", timeout=10)  # leased, never acked
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_client_that_dies_while_the_controller_is_down_gives_back_what_it_held(
+    tmp_path: Path,
+) -> None:
+    """Its admission slots and leases come back once it has not reconnected within
+    reconnect_grace, long before their own deadlines."""
+    journal = str(tmp_path / "journal")
+    cluster = ProcessCluster(1, durability="batched", journal=journal, reconnect_grace=2.0,
+                             lease_timeout=300.0)  # fmt: skip
+    with cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"])
+        c.put(_rows(0, 8), "p")
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, cluster.address],
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "READY"
+        cluster.procs[0].kill()
+        cluster.procs[0].wait()
+        holder.kill()  # dies while nobody watches it
+        holder.wait()
+        cluster.restart_controller()
+        slots = c.admission("slots", name="adm", max_pending_slots=2, max_version_slots=100)
+        started = time.monotonic()
+        assert len(slots.acquire(2, timeout=30)) == 2  # the dead client's, given back
+        batch = c.get("p", "x", 8, "t", timeout=30)  # its lease ended with it
+        assert time.monotonic() - started < 20  # not at the lease's deadline (300 s)
+        assert sorted(batch.data["x"][:, 0].tolist()) == [float(x) for x in range(8)]
+        batch.ack()
+
+
+def test_a_clear_a_snapshot_took_while_its_bytes_were_freed_is_answered_after_a_kill(
+    tmp_path: Path,
+) -> None:
+    """The controller dies after a snapshot took the clear, before the unit freed its bytes:
+    nothing replays the clear; the client sent it again gets its answer, the bytes go."""
+    journal = tmp_path / "journal"
+    cluster = ProcessCluster(1, durability="sync", journal=str(journal), snapshot_records=1,
+                             storage_timeout=60.0)  # fmt: skip
+    with cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"])
+        for i in range(4):
+            c.put(_rows(4 * i, 64), "p")
+        assert c.stats().units[0].rows == 256
+        unit = cluster.procs[1]
+        unit.send_signal(signal.SIGSTOP)  # the drop order waits on it
+        try:
+            snapshots = sorted(journal.glob("snapshot-*"))
+            thread, out = _in_thread(lambda: c.clear_partition("p"))
+            deadline = time.monotonic() + 10
+            while sorted(journal.glob("snapshot-*")) == snapshots:  # the clear's snapshot
+                assert time.monotonic() < deadline, "no snapshot after the clear"
+                time.sleep(0.05)
+            cluster.procs[0].kill()
+            cluster.procs[0].wait()
+        finally:
+            unit.send_signal(signal.SIGCONT)
+        cluster.restart_controller()
+        thread.join(30)
+        assert out and not isinstance(out[0], BaseException), out
+        assert "p" not in c.stats().partitions
+        deadline = time.monotonic() + 10
+        while c.stats().units[0].rows and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.stats().units[0].rows == 0 and c.stats().units[0].bytes == 0
+
+
+async def _stray_rows(address: str, partition: str, generation: int, first: int) -> None:
+    """Store rows on a storage unit behind the controller's back (a chunk no put placed)."""
+    _, columns = columns_from_data(_rows(first, 16))
+    refs, buffers = columns_to_wire(columns)
+    msg = Store(rid=0, partition=partition, chunk=(1 << 40) + first, row_ids=list(range(first,
+                first + 16)), columns=refs, generation=generation)  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    try:
+        conn = await Connection.open(ctx, address, connect_timeout=5.0, heartbeat_interval=1.0,
+                                     max_message_bytes=1 << 30)  # fmt: skip
+        reply, _ = await conn.request(msg, buffers, timeout=5)
+        assert isinstance(reply, Ok)
+        conn.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_rows_a_unit_holds_that_no_row_names_are_freed_after_a_restart(tmp_path: Path) -> None:
+    """A restarted controller asks each unit which rows it holds and frees those no row of its
+    journal names: of a partition it knows, and of one it never knew."""
+    cluster = ProcessCluster(1, durability="batched", journal=str(tmp_path / "journal"))
+    with cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"])
+        meta = c.put(_rows(0, 8), "p")
+        unit = c.stats().units[0].address
+        asyncio.run(_stray_rows(unit, "p", meta.generation, 1000))
+        asyncio.run(_stray_rows(unit, "ghost", 1, 0))
+        assert c.stats().units[0].rows == 8 + 16 + 16
+        _restart(cluster)
+        assert c.stats().units[0].rows == 8
+        batch = c.get("p", "x", 8, "t", timeout=5)  # the rows it knows are untouched
+        assert torch.equal(batch.data["x"], _rows(0, 8)["x"])

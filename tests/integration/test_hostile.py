@@ -216,7 +216,7 @@ def test_the_controller_answers_every_extreme_request_and_stays_small(
 # requests a storage unit serves (from clients, and from the controller: drops and resets)
 UNIT_REQUESTS = [
     m.Store, m.Fetch, m.PutRows, m.DropRows, m.DropChunks, m.DropPartition, m.ResetUnit,
-    m.GetUnitStats, m.LoadUnit,
+    m.GetUnitStats, m.GetInventory, m.LoadUnit,
 ]  # fmt: skip
 
 

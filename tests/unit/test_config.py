@@ -47,6 +47,7 @@ CANONICAL = [
     "journal",
     "fsync_interval",
     "snapshot_records",
+    "reconnect_grace",
     "storage_max_bytes",
 ]
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tqstream.protocol.messages import HeldRows
 from tqstream.storage import rowmap
 from tqstream.storage.rowmap import RowMap, RunPositions
 
@@ -63,7 +65,7 @@ def test_a_row_map_is_a_dict(ops):
                     with pytest.raises(KeyError):
                         del m[row]
         assert len(m) == len(model) and bool(m) == bool(model)
-        assert sorted(m) == sorted(model)
+        assert sorted(m) == sorted(model) == m.ids().tolist()
         probe = list(range(-1, 55))
         assert [m.get(r) for r in probe] == [model.get(r) for r in probe]
         assert m.get_many(probe) == [model.get(r) for r in probe]
@@ -101,3 +103,11 @@ def test_run_positions_are_a_dict(first, n, removed):
     assert dict((r, pos[r]) for r in pos) == model and len(pos) == len(model)
     assert [r in pos for r in range(-1, 95)] == [r in model for r in range(-1, 95)]
     assert bool(pos) == bool(model)
+
+
+@given(st.lists(st.integers(0, 200), unique=True))
+def test_the_rows_a_unit_holds_go_as_runs_and_come_back_the_same(rows):
+    ids = np.array(sorted(rows), dtype=np.int64)
+    held = HeldRows.of("p", 3, ids)
+    assert len(held.runs) == 2 * (len(rows) and 1 + int((np.diff(ids) != 1).sum()))
+    assert held.row_ids().tolist() == sorted(rows)

@@ -79,7 +79,7 @@ class Service(Protocol):
     def _apply(self, effects: Effects) -> list[asyncio.Task[Any]]: ...
     def _rearm(self) -> None: ...
     def _clock(self) -> float: ...
-    async def _loaded(self) -> None: ...
+    async def _loaded(self, key: Any = None, reply: Any = None) -> None: ...
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -200,11 +200,12 @@ class Checkpoints:
         )
 
     # --- load ---
-    def load(self, msg: LoadCheckpoint) -> Awaitable[CheckpointReply]:
+    def load(self, msg: LoadCheckpoint, key: Any = None) -> Awaitable[CheckpointReply]:
+        """``key``: the request's (session, rid), under which a journal keeps its reply."""
         path = self._begin("load", msg.path)
-        return self._load(msg, path)
+        return self._load(msg, path, key)
 
-    async def _load(self, msg: LoadCheckpoint, path: str) -> CheckpointReply:
+    async def _load(self, msg: LoadCheckpoint, path: str, key: Any) -> CheckpointReply:
         s = self.service.state
         try:
             manifest, snap = await in_thread("tqstream-checkpoint-read", _read, path)
@@ -251,18 +252,20 @@ class Checkpoints:
                 raise
             self.service._apply(effects)  # gets waiting on a replaced empty partition fail
             self.service._rearm()  # the restored ttls
-            await self.service._loaded()  # a restart must not replay the load: a snapshot
+            summary = CheckpointSummary(
+                path=path,
+                partitions=len(snap.partitions),
+                rows=manifest.rows,
+                nbytes=manifest.nbytes,
+                units=len({u for pair in where for u in pair if u >= 0}),
+                metadata=manifest.metadata,
+            )
+            reply = CheckpointReply(rid=msg.rid, summary=summary)
+            # a restart must not replay the load (a snapshot), and answers it sent again
+            await self.service._loaded(key, reply)
         finally:
             self.running = None
-        summary = CheckpointSummary(
-            path=path,
-            partitions=len(snap.partitions),
-            rows=manifest.rows,
-            nbytes=manifest.nbytes,
-            units=len({u for pair in where for u in pair if u >= 0}),
-            metadata=manifest.metadata,
-        )
-        return CheckpointReply(rid=msg.rid, summary=summary)
+        return reply
 
     def _check_room(self, snap: ControllerSnapshot, path: str) -> restore.Replaceable:
         """Refuse a cluster that holds rows, or an admission of the checkpoint's that granted

@@ -30,6 +30,7 @@ get. A put sent twice is stored once; a get sent twice leases one batch.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import importlib
@@ -162,6 +163,40 @@ class Answers:
     def __init__(self, limit: int = ANSWERS) -> None:
         self.limit = limit
         self.table: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        # the replies of requests whose state change is done, sent once the storage units
+        # carried out its orders: a restart answers them (its reconciliation frees the bytes)
+        self.promised: dict[Any, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A snapshot keeps the finished answers, and a request still being handled as None: the
+        state holds its handle (a parked request), or it has a promised reply, or a restart
+        forgets it (sent again, it runs again: it changed nothing the snapshot holds)."""
+        table = collections.OrderedDict(
+            (k, None if isinstance(v, Stub | Tracked) else v) for k, v in self.table.items()
+        )
+        return {"limit": self.limit, "table": table, "promised": dict(self.promised)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.limit, self.table = state["limit"], state["table"]
+        self.promised = state.get("promised", {})
+
+    def resolve(self, stubs: dict[Any, Stub]) -> None:
+        """After a restore: each request that was being handled gets its handle back from the
+        state (``stubs``), or its promised reply, or is forgotten."""
+        for key in [k for k, v in self.table.items() if v is None]:
+            stub = stubs.get(key)
+            if stub is not None:
+                self.table[key] = stub
+            elif key in self.promised:
+                self.table[key] = self.promised.pop(key)
+            else:
+                del self.table[key]
+        self.promised.clear()
+
+    def promise(self, key: Any, msg: Any) -> None:
+        """``msg`` is the reply of the request ``key`` once its orders are carried out."""
+        if key in self.table:
+            self.promised[key] = msg
 
     def seen(self, key: Any, responder: Any) -> bool:
         """Whether the request ``key`` was handled already (or is being handled): then it is
@@ -183,11 +218,13 @@ class Answers:
             self.table.popitem(last=False)
 
     def done(self, key: Any, msg: Any) -> None:
+        self.promised.pop(key, None)
         if key in self.table:
             self.table[key] = msg
 
     def forget(self, key: Any) -> None:
         """The request failed before it changed anything: a retry runs it again."""
+        self.promised.pop(key, None)
         self.table.pop(key, None)
 
 
@@ -265,6 +302,9 @@ class Durable:
         self._replay: Replay | None = replay
         self.snapshot_records = snapshot_records
         self.answers = Answers()
+        # the sessions a journaled request came from, until they are gone: a restart waits for
+        # them to reconnect (recovery.reconnect_grace)
+        self.peers: set[Any] = set()
         self.replaying = False
         self._since_snapshot = 0
         self._enc = msgspec.msgpack.Encoder()
@@ -276,6 +316,7 @@ class Durable:
 
     # --- recording ---
     def request(self, now: float, peer: Any, rid: int, header: Any) -> None:
+        self.peers.add(peer)
         self._append(REQUEST, [now, peer, rid, bytes(header)])
 
     def event(self, kind: int, *args: Any) -> None:
@@ -297,7 +338,7 @@ class Durable:
         buf = io.BytesIO()
         pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
         pickler.dump({"format": SNAPSHOT_FORMAT, "cluster": self.cluster, **payload,
-                      "answers": self.answers})  # fmt: skip
+                      "answers": self.answers, "peers": self.peers})  # fmt: skip
         self._since_snapshot = 0
         return self.journal.rebase(buf.getvalue())
 
@@ -318,10 +359,10 @@ class Durable:
                 directory=self.directory,
             )
         self.answers = payload["answers"]
+        self.peers = set(payload.get("peers", ()))
         for stub in unpickler.stubs.values():  # requests in flight at the snapshot
             stub.answers = self.answers
-            if stub.key in self.answers.table:
-                self.answers.table[stub.key] = stub
+        self.answers.resolve(unpickler.stubs)
         return payload
 
     def records(self) -> Any:
@@ -339,6 +380,7 @@ class Durable:
     def stub(self, peer: Any, rid: int, op: str) -> Stub:
         """The handle of a replayed request, answers kept under its key."""
         stub = Stub(peer, rid, op, self.answers)
+        self.peers.add(peer)
         self.answers.start(stub.key, stub)
         return stub
 
@@ -349,3 +391,20 @@ class Durable:
 def journaled(msg: Any) -> bool:
     """Whether a request is recorded (it may change the state)."""
     return not isinstance(msg, UNJOURNALED)
+
+
+class Later:
+    """A reply known now, sent once the storage units carried out ``tasks`` (their failures
+    propagate): a journal keeps it promised (a restart answers it)."""
+
+    __slots__ = ("reply", "tasks")
+
+    def __init__(self, tasks: list[asyncio.Task[Any]], reply: Any) -> None:
+        self.tasks, self.reply = tasks, reply
+
+    def __await__(self) -> Any:
+        return self._wait().__await__()
+
+    async def _wait(self) -> Any:
+        await asyncio.gather(*self.tasks)
+        return self.reply

@@ -7,19 +7,30 @@ connected. A unit the journal names that does not answer, or that answers as ano
 restarted while the controller was down, so it holds none of its rows), is lost: its rows are
 counted lost (two copies: served from the other), as for a unit that dies while the controller
 watches; it revives, empty, when it registers again.
+
+Then each reachable unit says which rows it holds (``GetInventory``), and the rows no row of the
+state names are freed: the bytes of a drop order that died with the last process, or of a
+partition cleared meanwhile. And every client session the journal knows (one whose request was
+journaled and that has not disconnected) has ``reconnect_grace`` seconds to reconnect; what one
+that does not come back held (puts in flight, leases, admission slots, parked gets) is rolled back
+as for a client whose connection dropped (it died while the controller was down).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from tqstream.controller import links
 from tqstream.controller.durable import EXPIRE, PEER_GONE, REQUEST, UNIT_ADD, UNIT_DOWN, UNIT_UP
 from tqstream.errors import TQStreamError
+from tqstream.protocol.messages import DropPartition, DropRows, GetInventory, InventoryReply
 from tqstream.protocol.transport import _op
 
 if TYPE_CHECKING:
@@ -32,7 +43,8 @@ _log = logging.getLogger("tqstream.controller")
 
 async def recover(service: ControllerService) -> None:
     """Replay the snapshot and journal, then reconnect the storage units (a unit that is gone,
-    or restarted, is lost: its rows counted lost) and carry out the drop orders replayed."""
+    or restarted, is lost: its rows counted lost), carry out the drop orders replayed, free the
+    rows no row names, and give the client sessions known ``reconnect_grace`` to come back."""
     d = service.durable
     assert d is not None
     started = time.monotonic()
@@ -69,21 +81,82 @@ async def recover(service: ControllerService) -> None:
     orders, service._orders = service._orders, None
     await asyncio.gather(*(links.reconnect(service, u) for u in range(len(service.units))))
     alive = service.state.units.alive
-    for u, req in orders:
-        if alive[u]:
-            service._spawn(service._order(u, req))
+    sent = [service._spawn(service._order(u, req)) for u, req in orders if alive[u]]
+    await asyncio.gather(*sent, return_exceptions=True)  # counted in drop_failures
     service._rearm()
+    freed = await asyncio.gather(*(_free_orphans(service, u) for u in range(len(alive))))
+    peers = set(d.peers)
+    if peers:
+        asyncio.get_running_loop().call_later(
+            service.config.reconnect_grace, _drop_absent, service, peers
+        )
     if payload is None and not records:
         return  # a fresh journal
     rows = sum(p.committed for p in service.state.partitions.values())
     _log.warning(
         "controller recovered from its journal in %s: %d records replayed in %.2fs; %d "
-        "partitions, %d rows, %d leases, %d of %d storage units reachable",
+        "partitions, %d rows, %d leases, %d of %d storage units reachable, %d rows freed there "
+        "that no row named; waiting %gs for %d client sessions to reconnect",
         d.directory, records, time.monotonic() - started, len(service.state.partitions), rows,
-        len(service.state.leases), sum(alive), len(alive),
+        len(service.state.leases), sum(alive), len(alive), sum(freed),
+        service.config.reconnect_grace, len(peers),
     )  # fmt: skip
     if records:  # the next restart starts from here
         service._snapshot()
+
+
+async def _free_orphans(service: ControllerService, unit: int) -> int:
+    """Have ``unit`` free the rows it holds that no row of the state names (or of an earlier
+    incarnation of their partition); the rows freed."""
+    if not service.state.units.alive[unit]:
+        return 0
+    try:
+        reply, _ = await service.units[unit].request(
+            GetInventory(rid=0), timeout=service.config.storage_timeout
+        )
+    except TQStreamError as exc:  # it died since: lost, as the watch says
+        _log.warning("storage unit %d did not list its rows: %s", unit, exc)
+        return 0
+    assert isinstance(reply, InventoryReply)
+    freed = 0
+    for held in reply.partitions:
+        p = service.state.partitions.get(held.partition)
+        ids = held.row_ids()
+        order: DropPartition | DropRows
+        if p is None or held.generation != p.born:  # all of it: unknown, or cleared since
+            before = p.born if p is not None and held.generation < p.born else 0
+            order = DropPartition(rid=0, partition=held.partition, before_chunk=before)
+            extra = len(ids)
+        else:
+            orphans = np.setdiff1d(ids, p.rows.on_unit(unit), assume_unique=True)
+            order = DropRows(rid=0, partition=held.partition, row_ids=orphans.tolist())
+            extra = len(orphans)
+        if extra:
+            _log.warning(
+                "storage unit %d held %d rows of partition %r that no row of the controller's "
+                "journal names: freed", unit, extra, held.partition,
+            )  # fmt: skip
+            with contextlib.suppress(TQStreamError):  # counted in drop_failures
+                await service._order(unit, order)
+            freed += extra
+    return freed
+
+
+def _drop_absent(service: ControllerService, peers: set[Any]) -> None:
+    """The sessions of ``peers`` that did not reconnect died while the controller was down: what
+    they held is rolled back."""
+    d = service.durable
+    if service.server_closed or d is None:
+        return
+    gone = [p for p in peers if p in d.peers and not service.server.connected(p)]
+    for peer in gone:
+        service._peer_gone(peer)
+    if gone:
+        _log.warning(
+            "%d of the %d client sessions the journal knew did not reconnect within %gs: what "
+            "they held (puts in flight, leases, admission slots) is rolled back",
+            len(gone), len(peers), service.config.reconnect_grace,
+        )  # fmt: skip
 
 
 async def _replay_request(

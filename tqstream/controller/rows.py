@@ -222,6 +222,13 @@ class Rows:
                     holds.setdefault(u, []).append(rid)
         return charges, holds
 
+    def on_unit(self, u: int) -> np.ndarray:
+        """The ids of the rows with a copy on unit ``u``, ascending."""
+        live = np.frombuffer(self.state, np.uint8) != 0
+        here = np.frombuffer(self.unit, np.int16) == u
+        here |= np.frombuffer(self.replica, np.int16) == u
+        return np.flatnonzero(live & here) + self.base
+
     def lose_unit(self, u: int) -> list[int]:
         """Unit ``u`` is gone: rows with a copy elsewhere are served from it from now on.
         Returns the rows it held the only copy of."""

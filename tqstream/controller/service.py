@@ -35,6 +35,7 @@ from tqstream.controller.durable import (
     UNIT_DOWN,
     UNIT_UP,
     Durable,
+    Later,
     Tracked,
     journaled,
 )
@@ -235,6 +236,8 @@ class ControllerService:
         finally:
             if d.due():
                 self._snapshot()
+        if isinstance(result, Later):
+            d.answers.promise(key, result.reply)
         if inspect.isawaitable(result):
             return self._kept(key, result)
         if result is not None:
@@ -373,7 +376,7 @@ class ControllerService:
                 case SaveCheckpoint():
                     return self.checkpoints.save(msg)
                 case LoadCheckpoint():
-                    return self.checkpoints.load(msg)
+                    return self.checkpoints.load(msg, getattr(responder, "key", None))
                 case _:
                     raise InvalidRequestError(
                         f"{type(msg).__name__} is not a controller request; it goes to a "
@@ -438,10 +441,8 @@ class ControllerService:
         return self._after(self._apply(effects), Ok(rid=rid, count=count))
 
     @staticmethod
-    async def _after(tasks: list[asyncio.Task[Any]], reply: Any) -> Any:
-        """``reply`` once the storage units carried out ``tasks`` (their failures propagate)."""
-        await asyncio.gather(*tasks)
-        return reply
+    def _after(tasks: list[asyncio.Task[Any]], reply: Any) -> Later:
+        return Later(tasks, reply)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name="tqstream-controller-order")
@@ -471,6 +472,8 @@ class ControllerService:
             self._rearm()
 
     def _peer_gone(self, peer: bytes) -> None:
+        if self.durable is not None:
+            self.durable.peers.discard(peer)
         self._event(lambda now: self.state.drop_peer(peer, now), PEER_GONE, peer)
 
     def _unit_down(self, unit: int) -> None:
@@ -582,8 +585,10 @@ class ControllerService:
         else:
             _log.warning("the controller's journal is whole again (a snapshot landed)")
 
-    async def _loaded(self) -> None:
+    async def _loaded(self, key: Any = None, reply: Any = None) -> None:
         """A checkpoint was loaded into the state: a snapshot stands for it (a restart does
-        not load it again)."""
+        not load it again; the request ``key`` sent again gets ``reply``)."""
         if self.durable is not None:
+            if reply is not None:
+                self.durable.answers.promise(key, reply)
             await self._snapshot()

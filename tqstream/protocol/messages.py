@@ -414,6 +414,41 @@ class GetUnitStats(_Msg, frozen=True, tag="get_unit_stats"):
     pass
 
 
+class GetInventory(_Msg, frozen=True, tag="get_inventory"):
+    """From a restarted controller: which rows this storage unit holds (it frees the rows that no
+    row of its journal names)."""
+
+
+class HeldRows(msgspec.Struct, frozen=True):
+    """The rows a storage unit holds of one partition: all of ``generation``, as runs
+    ``[start0, stop0, start1, stop1, ...]`` of row ids (each ``start .. stop - 1``)."""
+
+    partition: str
+    generation: Id
+    runs: Ids
+
+    @classmethod
+    def of(cls, partition: str, generation: int, ids: Any) -> HeldRows:
+        """From row ids ascending (a numpy array)."""
+        import numpy as np
+
+        if not len(ids):
+            return cls(partition, generation, [])
+        cut = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts, stops = ids[np.r_[0, cut]], ids[np.r_[cut - 1, len(ids) - 1]] + 1
+        return cls(partition, generation, np.column_stack([starts, stops]).ravel().tolist())
+
+    def row_ids(self) -> Any:
+        """The row ids, ascending (a numpy array)."""
+        import numpy as np
+
+        runs = self.runs
+        return np.concatenate(
+            [np.arange(a, b, dtype=np.int64) for a, b in zip(runs[::2], runs[1::2], strict=True)]
+            or [np.zeros(0, np.int64)]
+        )
+
+
 class Publish(_Msg, frozen=True, tag="publish"):
     """To a storage unit: the writes of ``chunks`` committed; their overwritten values (held
     apart until now, see ``Store.overwrite``) replace the old ones."""
@@ -550,6 +585,7 @@ Request = (
     | DropPartition
     | ResetUnit
     | GetUnitStats
+    | GetInventory
     | Publish
     | CountRejected
     | CreateAdmission
@@ -730,6 +766,10 @@ class UnitStatsReply(_Msg, frozen=True, tag="unit_stats"):
     stats: UnitStats
 
 
+class InventoryReply(_Msg, frozen=True, tag="inventory"):
+    partitions: list[HeldRows]
+
+
 class Slots(_Msg, frozen=True, tag="slots"):
     slot_ids: list[int]
 
@@ -772,6 +812,7 @@ Reply = (
     | StatsReply
     | Columns
     | UnitStatsReply
+    | InventoryReply
     | Slots
     | AdmissionReply
     | UnitSaved

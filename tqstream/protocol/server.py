@@ -241,6 +241,12 @@ class Server:
         """Peers (sessions, or connections that named none) with a TCP connection up."""
         return len({self._sessions.get(i, i) for i, fd in self._peer_fd.items() if fd >= 0})
 
+    def connected(self, peer: bytes) -> bool:
+        """Whether ``peer`` (a session, or a connection that named none) has a connection up,
+        as far as its messages told: a peer is known from its first message on."""
+        self._watch_peers()
+        return peer in self._members or self._peer_fd.get(peer, -1) >= 0
+
     # --- peers ---
     def _track(self, identity: bytes, frame: zmq.Frame) -> None:
         """Learn the descriptor of a peer's first message. Disconnects queued before it are

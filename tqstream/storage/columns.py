@@ -25,6 +25,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tqstream.errors import (
@@ -294,6 +295,10 @@ class ColumnStore:
             _detach(part.rows, r, chunk)
         if not chunk.positions:
             self._release(part, chunk)
+
+    def inventory(self) -> list[tuple[str, int, np.ndarray]]:
+        """(partition, generation, the row ids held, ascending) of every partition held."""
+        return [(name, part.generation, part.rows.ids()) for name, part in self._partitions.items()]
 
     def stale(self, partition: str, generation: int) -> bool:
         """The partition's rows here are of a newer generation than ``generation``."""

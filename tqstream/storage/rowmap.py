@@ -14,6 +14,8 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
 V = TypeVar("V")
 
 SPAN_MIN = 64
@@ -82,6 +84,16 @@ class RowMap(Generic[V]):
         if s is not None:
             return [s.value] * len(rows)
         return [self.get(r) for r in rows]
+
+    def ids(self) -> np.ndarray:
+        """Every row held, ascending (int64)."""
+        parts = [np.fromiter(self._dict, np.int64, len(self._dict))]
+        for s in self._spans:
+            run = np.arange(s.start, s.stop, dtype=np.int64)
+            if s.gone:
+                run = run[~np.isin(run, np.fromiter(s.gone, np.int64, len(s.gone)))]
+            parts.append(run)
+        return np.unique(np.concatenate(parts))  # a span's rows set again are in the dict too
 
     def __contains__(self, row: object) -> bool:
         return self.get(row, _MISS) is not _MISS  # type: ignore[arg-type]

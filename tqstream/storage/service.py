@@ -58,7 +58,10 @@ from tqstream.protocol.messages import (
     DropRows,
     ErrorReply,
     Fetch,
+    GetInventory,
     GetUnitStats,
+    HeldRows,
+    InventoryReply,
     LoadUnit,
     MetaReply,
     Ok,
@@ -477,6 +480,9 @@ class StorageService:
                 # commits them only now that the unit is revived: they are younger, and stay
                 s.reset(msg.before_chunk)
                 return Ok(rid=msg.rid)
+            case GetInventory():
+                held = [HeldRows.of(*part) for part in s.inventory()]
+                return InventoryReply(rid=msg.rid, partitions=held)
             case GetUnitStats():
                 stats = UnitStats(
                     address=self.address,
