@@ -57,7 +57,7 @@ from tqstream.protocol.messages import (
 )
 from tqstream.protocol.transport import error_reply
 
-__all__ = ["ANSWERS", "Answers", "Durable", "Stub", "Tracked", "cluster_of", "journaled"]
+__all__ = ["ANSWERS", "Answers", "Durable", "Later", "Stub", "Tracked", "cluster_of", "journaled"]
 
 REQUEST, EXPIRE, PEER_GONE, UNIT_DOWN, UNIT_UP, UNIT_ADD = range(1, 7)
 """Record kinds."""
