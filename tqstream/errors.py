@@ -296,7 +296,9 @@ class ConnectionLostError(TQStreamError, ConnectionError):
 class ControllerUnavailableError(ConnectionLostError):
     """The controller went away and did not come back within ``ClientConfig.reconnect_timeout``
     (a controller with a journal is restarted and carries on: docs/faults.md); the request was
-    not answered. ``details['address']`` names the controller."""
+    not answered; or the controller there is another cluster now (restarted without its
+    journal: ``details['cluster']`` and ``details['expected']``). ``details['address']`` names
+    the controller."""
 
     code = "controller_unavailable"
 

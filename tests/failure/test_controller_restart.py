@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -351,6 +352,43 @@ def test_a_controller_that_does_not_come_back_fails_requests_naming_it(tmp_path:
         time.sleep(0.5)  # the connection has seen it go
         with pytest.raises(tqstream.ControllerUnavailableError, match="did not come back"):
             c.stats("p")
+
+
+def test_a_controller_restarted_without_its_journal_fails_requests_in_flight_naming_it(
+    tmp_path: Path,
+) -> None:
+    """The journal was lost (moved away, another disk): the controller at the old address is
+    another cluster, which knows none of the requests in flight; they fail, saying so, rather
+    than being sent again to a state that never saw the rows they name."""
+    journal = tmp_path / "journal"
+    cluster = ProcessCluster(1, durability="batched", journal=str(journal))
+    with cluster, tqstream.connect(cluster.address, FAST) as c:
+        c.create_partition("p", ["x"])
+        c.put(_rows(0), "p")
+        welcomed, down = threading.Event(), threading.Event()
+
+        def in_flight() -> object:
+            c.stats("p")  # this thread's connection, welcomed by the first cluster
+            welcomed.set()
+            down.wait(10)
+            return c.stats("p")  # sent while the controller is down
+
+        thread, out = _in_thread(in_flight)
+        assert welcomed.wait(10)
+        cluster.procs[0].kill()
+        cluster.procs[0].wait()
+        down.set()
+        time.sleep(0.5)
+        shutil.rmtree(journal)
+        cluster.restart_controller()
+        thread.join(30)
+        # a thread's first call opens its connection: it reaches the new cluster, refused too
+        fresh, first = _in_thread(lambda: c.stats("p"))
+        fresh.join(30)
+        for got in (out, first):
+            assert got and isinstance(got[0], tqstream.ControllerUnavailableError), got
+            assert "is another cluster now" in str(got[0])
+            assert "without its journal" in str(got[0])
 
 
 _HOLDER = """

@@ -114,7 +114,10 @@ class Client:
         if self._core.controller.welcome.durable:  # a lane opened while it restarts waits for it
             wait = max(lanes.connect_timeout, lanes.reconnect_timeout)
             lanes = dataclasses.replace(lanes, connect_timeout=wait)
-        self._lanes = Lanes(address, lanes, release, self._io.loop, session) if io is None else None
+        cluster = self._core.controller.welcome.cluster  # every lane must reach the same
+        self._lanes = (
+            Lanes(address, lanes, release, self._io.loop, session, cluster) if io is None else None
+        )
         self._finalizer = weakref.finalize(
             self, _finalize, self._io if self._owns_io else None, self._core, on_close,
             None, self._lanes,

@@ -51,7 +51,7 @@ from tqstream.errors import (
 from tqstream.protocol import shm
 from tqstream.protocol.auth import Keys, load_keys
 from tqstream.protocol.columns import Column
-from tqstream.protocol.connection import Connection, not_a_controller
+from tqstream.protocol.connection import Connection, another_cluster, not_a_controller
 from tqstream.protocol.messages import (
     PROTOCOL_VERSION,
     AbortPut,
@@ -187,11 +187,13 @@ class ClientCore:
         config: ClientConfig,
         ctx: zmq.Context[Any] | None = None,
         session: bytes = b"",
+        cluster: str = "",
     ) -> ClientCore:
         """Connect to the controller at ``address``; ``ctx``, when given, is the embedded
         servers' context (needed for ``inproc://`` addresses) and stays open at close.
         ``session``: the client this core belongs to (shared by its lanes' cores; see
-        ``Hello.session``)."""
+        ``Hello.session``). ``cluster``: the cluster its first core reached (``Welcome.cluster``;
+        "" at the first): a controller of another one at ``address`` is refused."""
         keys = load_keys(config.keys) if config.keys else None
         own = context() if ctx is None else None
         try:
@@ -199,6 +201,9 @@ class ClientCore:
             if conn.welcome.server != "controller":
                 conn.close()
                 raise not_a_controller(address, conn.welcome)
+            if cluster and conn.welcome.cluster != cluster:
+                conn.close()
+                raise another_cluster(address, conn.welcome.cluster, cluster)
             # a controller with a journal is restarted if it dies: wait for it, and send the
             # requests in flight again (it answers each once)
             conn.resend = conn.welcome.durable

@@ -53,6 +53,7 @@ class Lane:
         config: ClientConfig,
         release: Callable[[BatchMeta], None],
         session: bytes,
+        cluster: str,
     ) -> None:
         self.thread = threading.current_thread()
         self.busy = False
@@ -62,7 +63,7 @@ class Lane:
         self._wake, self._waker = socket.socketpair()
         try:
             self.core = self.loop.run_until_complete(
-                _open(address, config, self.ctx, release, session)
+                _open(address, config, self.ctx, release, session, cluster)
             )
         except BaseException:
             self._close_sockets()
@@ -134,11 +135,12 @@ class LoopLane:
         config: ClientConfig,
         release: Callable[[BatchMeta], None],
         session: bytes,
+        cluster: str,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.ctx = context()
         self._address, self._config, self._release = address, config, release
-        self._session = session
+        self._session, self._cluster = session, cluster
         self._opening: asyncio.Task[ClientCore] | None = None
         self.unsupported = False  # the loop cannot watch file descriptors (add_reader)
 
@@ -159,7 +161,14 @@ class LoopLane:
             return task.result()  # every call but the first: no shield (a future each)
         if task is None or (task.done() and task.exception() is not None):
             task = self._opening = self.loop.create_task(
-                _open(self._address, self._config, self.ctx, self._release, self._session),
+                _open(
+                    self._address,
+                    self._config,
+                    self.ctx,
+                    self._release,
+                    self._session,
+                    self._cluster,
+                ),
                 name="tqstream-client-open-lane",
             )
         return await asyncio.shield(task)
@@ -189,10 +198,11 @@ async def _open(
     ctx: zmq.Context[Any],
     release: Callable[[BatchMeta], None],
     session: bytes,
+    cluster: str,
 ) -> ClientCore:
     """A lane's core: its loop runs only during calls (or may end), so a lease it gives back goes
     through ``release`` (the IO thread) instead of a background task of its own."""
-    core = await ClientCore.open(address, config, ctx, session)
+    core = await ClientCore.open(address, config, ctx, session, cluster)
     core.release_elsewhere = release
     return core
 
@@ -215,9 +225,10 @@ class Lanes:
         release: Callable[[BatchMeta], None],
         io_loop: asyncio.AbstractEventLoop,
         session: bytes,
+        cluster: str,
     ) -> None:
         self._address, self._config, self._release = address, config, release
-        self._session = session
+        self._session, self._cluster = session, cluster
         self._io_loop = io_loop
         self._lock = threading.Lock()
         self._lanes: dict[threading.Thread, Lane] = {}
@@ -255,7 +266,9 @@ class Lanes:
                     lane = usable.pop(0)
                     lane.move_to(loop)
                 else:
-                    lane = LoopLane(self._address, self._config, self._release, self._session)
+                    lane = LoopLane(
+                        self._address, self._config, self._release, self._session, self._cluster
+                    )
                 self._loop_lanes[loop] = lane
                 for old in gone:
                     if old is not lane:
@@ -276,8 +289,8 @@ class Lanes:
                     return None
                 lane.busy = True
                 return lane
-        lane = Lane(self._address, self._config, self._release, self._session)  # a handshake:
-        # outside the lock
+        # a handshake: outside the lock
+        lane = Lane(self._address, self._config, self._release, self._session, self._cluster)
         lane.busy = True
         with self._lock:
             closed = self._closed

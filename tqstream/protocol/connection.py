@@ -64,7 +64,7 @@ from tqstream.protocol.transport import (
     routing_id,
 )
 
-__all__ = ["Connection", "not_a_controller"]
+__all__ = ["Connection", "another_cluster", "not_a_controller"]
 
 
 class Connection:
@@ -517,11 +517,7 @@ class Connection:
             return
         self._fail_all(
             ControllerUnavailableError,
-            _literal(
-                f"the server at {self.address} is another cluster now ({reply.cluster!r}, not "
-                f"{mine.cluster!r}): it was restarted without its journal, so the requests in "
-                f"flight are not known there; connect a new client"
-            ),
+            _literal(another_cluster(self.address, reply.cluster, mine.cluster).message),
         )
 
     def _gone(self) -> None:
@@ -594,6 +590,19 @@ _DOWN = (
     "to answer {what}; the server may have died: retry once it is back (the connection reconnects "
     "by itself)"
 )
+
+
+def another_cluster(address: str, theirs: str, mine: str) -> ControllerUnavailableError:
+    """What a client's requests meet at a controller of another cluster than it reached first
+    (one restarted without its journal)."""
+    return ControllerUnavailableError(
+        f"the server at {address} is another cluster now ({theirs!r}, not {mine!r}): it was "
+        f"restarted without its journal, so what this client did there and the requests in "
+        f"flight are not known; connect a new client",
+        address=address,
+        cluster=theirs,
+        expected=mine,
+    )
 
 
 def not_a_controller(address: str, welcome: Welcome) -> ConnectError:
