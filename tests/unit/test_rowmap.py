@@ -110,4 +110,4 @@ def test_the_rows_a_unit_holds_go_as_runs_and_come_back_the_same(rows):
     ids = np.array(sorted(rows), dtype=np.int64)
     held = HeldRows.of("p", 3, ids)
     assert len(held.runs) == 2 * (len(rows) and 1 + int((np.diff(ids) != 1).sum()))
-    assert held.row_ids().tolist() == sorted(rows)
+    assert held.row_ids().tolist() == sorted(rows) and held.count() == len(rows)

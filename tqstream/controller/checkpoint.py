@@ -31,7 +31,7 @@ import secrets
 import shutil
 import time
 import zlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -48,7 +48,6 @@ from tqstream.errors import (
     InvalidRequestError,
     TQStreamError,
 )
-from tqstream.protocol.connection import Connection
 from tqstream.protocol.disk import fsync_dir, in_thread, write_durably
 from tqstream.protocol.messages import (
     CheckpointReply,
@@ -70,11 +69,21 @@ MANIFEST = "manifest.json"
 STATE = "controller.msgpack"
 
 
+class Unit(Protocol):
+    """A storage unit, as a checkpoint asks it (``links.UnitLink``)."""
+
+    def request(
+        self, req: msgspec.Struct, timeout: float | None
+    ) -> Awaitable[tuple[Any, list[Any]]]: ...
+
+
 class Service(Protocol):
     """What of the controller service a checkpoint uses."""
 
     state: ControllerState
-    units: list[Connection]
+
+    @property
+    def links(self) -> Sequence[Unit]: ...
 
     def _apply(self, effects: Effects) -> list[asyncio.Task[Any]]: ...
     def _rearm(self) -> None: ...
@@ -142,7 +151,7 @@ class Checkpoints:
             before_chunk=taken.before_chunk,
             skip_chunks=taken.skip_chunks.get(unit, []),
         )
-        reply, _ = await self.service.units[unit].request(order, timeout=timeout)
+        reply, _ = await self.service.links[unit].request(order, timeout)
         return reply
 
     async def _finish_save(
@@ -231,9 +240,8 @@ class Checkpoints:
                         orders.setdefault(unit, []).append(os.path.join(path, f.name))
             jobs = {
                 unit: asyncio.ensure_future(
-                    self.service.units[unit].request(
-                        LoadUnit(rid=0, files=files, chunk_base=base, generation=base),
-                        timeout=msg.timeout,
+                    self.service.links[unit].request(
+                        LoadUnit(rid=0, files=files, chunk_base=base, generation=base), msg.timeout
                     )
                 )
                 for unit, files in sorted(orders.items())
@@ -288,9 +296,9 @@ class Checkpoints:
         unit that cannot take the order is gone, and its memory with it (the load's own error is
         the one reported)."""
         orders = [
-            conn.request(DropPartition(rid=0, partition=p.name, before_chunk=fence), timeout=60.0)
+            link.request(DropPartition(rid=0, partition=p.name, before_chunk=fence), 60.0)
             for p in snap.partitions
-            for conn in self.service.units
+            for link in self.service.links
         ]
         await asyncio.gather(*orders, return_exceptions=True)
 

@@ -9,9 +9,14 @@ while nobody watched, so it holds none of the rows the controller placed there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
 
 from tqstream.controller.durable import UNIT_ADD
 from tqstream.errors import TQStreamError
@@ -28,9 +33,25 @@ from tqstream.types import Stats, UnitStats
 if TYPE_CHECKING:
     from tqstream.controller.service import ControllerService
 
-__all__ = ["add_unit", "open_unit", "reconnect", "register", "stats", "watch"]
+__all__ = ["UnitLink", "add_unit", "open_unit", "reconnect", "register", "stats", "watch"]
 
 _log = logging.getLogger("tqstream.controller")
+Reply = tuple[Any, list[zmq.Frame]]
+
+
+@dataclasses.dataclass(slots=True)
+class UnitLink:
+    """The controller's connection to one storage unit, and what the unit said of itself."""
+
+    conn: Connection | None  # None while a restart replays its journal (connected after)
+    inproc: str  # its in-process address ("" when reached over TCP only)
+    shm: str  # its shared-memory token ("" without)
+    boot: str  # its process ("" if it does not say)
+
+    def request(self, req: msgspec.Struct, timeout: float | None) -> Awaitable[Reply]:
+        """``req`` to the unit: its reply and frames (``Connection.request``)."""
+        assert self.conn is not None, "a unit is asked nothing while the journal is replayed"
+        return self.conn.request(req, timeout=timeout)
 
 
 def add_unit(
@@ -44,16 +65,13 @@ def add_unit(
         service.durable.event(UNIT_ADD, now, address, max_bytes, inproc, shm, boot)
     service.state.now = max(service.state.now, now)
     unit, effects = service.state.add_unit(address, max_bytes)
-    if unit == len(service.units):
-        service.units.append(conn)  # type: ignore[arg-type]  # None while replaying
-        service.inproc_units.append(inproc)
-        service.unit_shm.append(shm)
-        service.unit_boot.append(boot)
+    if unit == len(service.links):
+        service.links.append(UnitLink(conn, inproc, shm, boot))
         if conn is not None:
             watch(service, unit, conn)
     else:  # a restarted unit's segments have a new token
-        service.inproc_units[unit], service.unit_shm[unit] = inproc, shm
-        service.unit_boot[unit] = boot
+        link = service.links[unit]
+        link.inproc, link.shm, link.boot = inproc, shm, boot
     service._apply(effects)
     return unit
 
@@ -86,11 +104,11 @@ async def register(service: ControllerService, msg: RegisterUnit) -> Registered:
             conn = None
     if address in units.addresses:  # a restarted unit, or a repeated register
         unit = units.addresses.index(address)
-        if units.alive[unit] and msg.boot and service.unit_boot[unit] not in ("", msg.boot):
+        if units.alive[unit] and msg.boot and service.links[unit].boot not in ("", msg.boot):
             # it restarted while the controller was down (nobody saw it go): it is empty
             service._unit_down(unit)
     else:
-        _log.info("storage unit %d registered at %s", len(service.units), address)
+        _log.info("storage unit %d registered at %s", len(service.links), address)
     unit = add_unit(service, address, msg.max_bytes, msg.inproc, msg.shm, msg.boot, conn)
     return Registered(rid=msg.rid, unit=unit)
 
@@ -98,7 +116,8 @@ async def register(service: ControllerService, msg: RegisterUnit) -> Registered:
 async def reconnect(service: ControllerService, unit: int) -> None:
     """Connect to a unit the journal names; one that does not answer, or is another process
     than the one that held the rows, is lost (one that comes back registers again)."""
-    address = service.inproc_units[unit] or service.state.units.addresses[unit]
+    link = service.links[unit]
+    address = link.inproc or service.state.units.addresses[unit]
     timeout = min(service.config.connect_timeout, 5.0)
     try:
         conn = await open_unit(service, address, timeout)
@@ -108,30 +127,28 @@ async def reconnect(service: ControllerService, unit: int) -> None:
         conn = Connection(service.ctx, address, "controller", service.config.connect_timeout,
                           service.config.heartbeat_interval, service.config.max_message_bytes,
                           service.keys)  # fmt: skip
-        service.units[unit] = conn
+        link.conn = conn
         watch(service, unit, conn)
         service._unit_down(unit)
         return
-    service.units[unit] = conn
+    link.conn = conn
     watch(service, unit, conn)
-    if service.state.units.alive[unit] and conn.welcome.boot != service.unit_boot[unit]:
+    if service.state.units.alive[unit] and conn.welcome.boot != link.boot:
         service._unit_down(unit)  # restarted meanwhile: it holds none of its rows
-        service.unit_boot[unit] = conn.welcome.boot
+        link.boot = conn.welcome.boot
         service._unit_up(unit)
 
 
 async def stats(service: ControllerService, rid: int, partition: str | None) -> StatsReply:
     parts = service.state.stats(partition)
 
-    async def one(i: int, conn: Connection) -> UnitStats:
+    async def one(i: int, link: UnitLink) -> UnitStats:
         if not service.state.units.alive[i]:
             return UnitStats(
                 address=service.state.units.addresses[i], bytes=0, chunks=0, rows=0, alive=False
             )
         try:
-            reply, _ = await conn.request(
-                GetUnitStats(rid=0), timeout=service.config.storage_timeout
-            )
+            reply, _ = await link.request(GetUnitStats(rid=0), service.config.storage_timeout)
             assert isinstance(reply, UnitStatsReply)
             return reply.stats
         except TQStreamError:
@@ -140,7 +157,7 @@ async def stats(service: ControllerService, rid: int, partition: str | None) -> 
                 alive=False,
             )  # fmt: skip
 
-    units = await asyncio.gather(*(one(i, c) for i, c in enumerate(service.units)))
+    units = await asyncio.gather(*(one(i, link) for i, link in enumerate(service.links)))
     stats = Stats(
         partitions=parts, units=list(units), admissions=service.state.admission_stats(),
         uptime=time.monotonic() - service._started,

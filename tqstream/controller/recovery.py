@@ -52,10 +52,7 @@ async def recover(service: ControllerService) -> None:
     if payload is not None:
         service.state = payload["state"]
         for inproc, shm, boot in payload["units"]:
-            service.units.append(None)  # type: ignore[arg-type]  # connected below
-            service.inproc_units.append(inproc)
-            service.unit_shm.append(shm)
-            service.unit_boot.append(boot)
+            service.links.append(links.UnitLink(None, inproc, shm, boot))  # connected below
     service._orders = []
     d.replaying = True
     records = 0
@@ -79,7 +76,7 @@ async def recover(service: ControllerService) -> None:
         d.replaying = False
         service._replay_now = None
     orders, service._orders = service._orders, None
-    await asyncio.gather(*(links.reconnect(service, u) for u in range(len(service.units))))
+    await asyncio.gather(*(links.reconnect(service, u) for u in range(len(service.links))))
     alive = service.state.units.alive
     sent = [service._spawn(service._order(u, req)) for u, req in orders if alive[u]]
     await asyncio.gather(*sent, return_exceptions=True)  # counted in drop_failures
@@ -111,8 +108,8 @@ async def _free_orphans(service: ControllerService, unit: int) -> int:
     if not service.state.units.alive[unit]:
         return 0
     try:
-        reply, _ = await service.units[unit].request(
-            GetInventory(rid=0), timeout=service.config.storage_timeout
+        reply, _ = await service.links[unit].request(
+            GetInventory(rid=0), service.config.storage_timeout
         )
     except TQStreamError as exc:  # it died since: lost, as the watch says
         _log.warning("storage unit %d did not list its rows: %s", unit, exc)
@@ -121,14 +118,13 @@ async def _free_orphans(service: ControllerService, unit: int) -> int:
     freed = 0
     for held in reply.partitions:
         p = service.state.partitions.get(held.partition)
-        ids = held.row_ids()
         order: DropPartition | DropRows
         if p is None or held.generation != p.born:  # all of it: unknown, or cleared since
             before = p.born if p is not None and held.generation < p.born else 0
             order = DropPartition(rid=0, partition=held.partition, before_chunk=before)
-            extra = len(ids)
+            extra = held.count()
         else:
-            orphans = np.setdiff1d(ids, p.rows.on_unit(unit), assume_unique=True)
+            orphans = np.setdiff1d(held.row_ids(), p.rows.on_unit(unit), assume_unique=True)
             order = DropRows(rid=0, partition=held.partition, row_ids=orphans.tolist())
             extra = len(orphans)
         if extra:

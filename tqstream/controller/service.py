@@ -138,8 +138,8 @@ class ControllerService:
                 name="controller",
                 max_message_bytes=config.max_message_bytes,
                 units=lambda: list(self.state.units.addresses),
-                inproc_units=lambda: list(self.inproc_units),
-                unit_shm=lambda: list(self.unit_shm),
+                inproc_units=lambda: [link.inproc for link in self.links],
+                unit_shm=lambda: [link.shm for link in self.links],
                 inproc=inproc,
                 on_disconnect=self._peer_gone,
                 keys=self.keys,
@@ -156,10 +156,7 @@ class ControllerService:
             raise
         if self.metrics is not None:
             self.server.observe = self.metrics.observe
-        self.units: list[Connection] = []
-        self.inproc_units: list[str] = []
-        self.unit_shm: list[str] = []  # each unit's shared-memory token ("" without)
-        self.unit_boot: list[str] = []  # each unit's process ("" if it does not say)
+        self.links: list[links.UnitLink] = []  # storage unit i's is links[i]
         self._orders: list[tuple[int, Any]] | None = None  # drop orders held while replaying
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -206,10 +203,10 @@ class ControllerService:
         for t in list(self._tasks):
             t.cancel()
         await self.server.close()
-        for conn in self.units:
-            if conn is not None:  # None: a start that failed while replaying its journal
-                conn.close()
-        self.units.clear()
+        for link in self.links:
+            if link.conn is not None:  # None: a start that failed while replaying its journal
+                link.conn.close()
+        self.links.clear()
         if self.metrics is not None:
             metrics, self.metrics = self.metrics, None
             await metrics.aclose()
@@ -416,7 +413,7 @@ class ControllerService:
             jobs.append((unit, Publish(rid=0, chunks=chunks)))
         for partition, before in effects.drop_partitions:
             order = DropPartition(rid=0, partition=partition, before_chunk=before)
-            jobs.extend((u, order) for u in range(len(self.units)))
+            jobs.extend((u, order) for u in range(len(self.links)))
         if self._orders is not None:  # replaying: sent once the units are connected
             self._orders.extend(jobs)
             return []
@@ -426,7 +423,7 @@ class ControllerService:
 
     async def _order(self, unit: int, req: Any) -> None:
         try:
-            await self.units[unit].request(req, timeout=self.config.storage_timeout)
+            await self.links[unit].request(req, self.config.storage_timeout)
         except TQStreamError as exc:
             self.drop_failures += 1
             if self.state.units.alive[unit]:  # else the unit died since: nothing to free there
@@ -559,7 +556,7 @@ class ControllerService:
     def _snapshot(self) -> asyncio.Task[bool]:
         """Write a snapshot of the state: a restart replays the journal from here."""
         assert self.durable is not None
-        units = list(zip(self.inproc_units, self.unit_shm, self.unit_boot, strict=True))
+        units = [(link.inproc, link.shm, link.boot) for link in self.links]
         return self.durable.snapshot({"state": self.state, "units": units})
 
     def _degraded(self, reason: str) -> None:

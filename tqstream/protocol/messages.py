@@ -438,15 +438,19 @@ class HeldRows(msgspec.Struct, frozen=True):
         starts, stops = ids[np.r_[0, cut]], ids[np.r_[cut - 1, len(ids) - 1]] + 1
         return cls(partition, generation, np.column_stack([starts, stops]).ravel().tolist())
 
+    def count(self) -> int:
+        """How many rows the runs hold."""
+        return sum(self.runs[1::2]) - sum(self.runs[::2])
+
     def row_ids(self) -> Any:
         """The row ids, ascending (a numpy array)."""
         import numpy as np
 
-        runs = self.runs
-        return np.concatenate(
-            [np.arange(a, b, dtype=np.int64) for a, b in zip(runs[::2], runs[1::2], strict=True)]
-            or [np.zeros(0, np.int64)]
-        )
+        runs = np.asarray(self.runs, dtype=np.int64).reshape(-1, 2)
+        lengths = runs[:, 1] - runs[:, 0]
+        # row k of the whole is start + (k - rows before its run), for the run holding it
+        base = runs[:, 0] - (np.cumsum(lengths) - lengths)
+        return np.repeat(base, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
 class Publish(_Msg, frozen=True, tag="publish"):
