@@ -334,6 +334,22 @@ def test_another_cluster_or_format_is_refused_naming_both(tmp_path: Path) -> Non
         Journal.open(str(tmp_path), "c1")
 
 
+def test_a_snapshot_of_another_cluster_or_format_is_refused_naming_both(tmp_path: Path) -> None:
+    journalfile.write_snapshot(str(tmp_path), "c1", 4, b"state after 4")
+    (path,) = tmp_path.glob("snapshot-*.tqs")
+    with pytest.raises(JournalClusterError, match=r"'c1'.*'c2'"):
+        Journal.open(str(tmp_path), "c2")
+    data = bytearray(path.read_bytes())
+    data[8:10] = (2).to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalVersionError, match=r"snapshot .* is in journal format 2") as e:
+        Journal.open(str(tmp_path), "c1")
+    assert (e.value.details["format"], e.value.details["expected"]) == (2, journalfile.FORMAT)
+    path.write_bytes(b"TQSJRNL\n" + bytes(data[8:]))  # a segment's magic in a snapshot's name
+    with pytest.raises(JournalCorruptError, match="is not a tqstream journal snapshot"):
+        Journal.open(str(tmp_path), "c1")
+
+
 def test_one_controller_per_journal(tmp_path: Path) -> None:
     journal, _ = opened(tmp_path)
     with pytest.raises(JournalError, match="open in another controller"):
