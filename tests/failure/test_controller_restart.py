@@ -25,7 +25,17 @@ from tqstream.convert.inputs import columns_from_data
 from tqstream.errors import JournalClusterError
 from tqstream.launch.processes import ProcessCluster
 from tqstream.protocol.connection import Connection
-from tqstream.protocol.messages import Ok, Store
+from tqstream.protocol.messages import (
+    PROTOCOL_VERSION,
+    GetMeta,
+    Hello,
+    MetaReply,
+    Ok,
+    Store,
+    Welcome,
+    decode_reply,
+    encode,
+)
 from tqstream.protocol.wire import columns_to_wire
 
 FAST = tqstream.ClientConfig(connect_timeout=3.0, reconnect_timeout=30.0)
@@ -389,6 +399,50 @@ def test_a_controller_restarted_without_its_journal_fails_requests_in_flight_nam
             assert got and isinstance(got[0], tqstream.ControllerUnavailableError), got
             assert "is another cluster now" in str(got[0])
             assert "without its journal" in str(got[0])
+
+
+def test_a_get_sent_again_is_answered_as_the_first_time_and_leases_once(
+    durable: ProcessCluster,
+) -> None:
+    """A get whose answer the client did not see is sent again with its rid (as a connection
+    does after a drop): it gets the rows of its first answer, before and after a restart, and
+    one batch is leased, not two."""
+    with tqstream.connect(durable.address, FAST) as c:
+        c.create_partition("p", ["x"], tasks=["t"])
+        for i in range(4):
+            c.put(_rows(4 * i), "p")
+        get = GetMeta(rid=7, partition="p", fields=["x"], batch_size=4, task="t", timeout=5.0)
+
+        async def exchange() -> None:
+            ctx = zmq.asyncio.Context()
+            sock = ctx.socket(zmq.DEALER)  # the session's one connection: it stays open
+            sock.connect(durable.address)
+
+            async def ask() -> list[int]:
+                await sock.send(encode(get))
+                reply = decode_reply((await sock.recv_multipart())[0])
+                assert isinstance(reply, MetaReply) and reply.meta is not None, reply
+                return list(reply.meta.row_ids)
+
+            async def hello() -> None:
+                await sock.send(encode(Hello(rid=1, protocol=PROTOCOL_VERSION, session=b"s" * 16)))
+                assert isinstance(decode_reply(await sock.recv()), Welcome)
+
+            try:
+                await hello()
+                first, again = await ask(), await ask()
+                assert first == again and len(first) == 4
+                assert c.stats("p").partitions["p"].tasks["t"].leased == 4
+                _restart(durable)
+                await hello()  # a new process: the connection says who it is again
+                assert await ask() == first
+                t = c.stats("p").partitions["p"].tasks["t"]
+                assert (t.leased, t.available) == (4, 12)
+            finally:
+                sock.close(linger=0)
+                ctx.destroy(linger=0)
+
+        asyncio.run(exchange())
 
 
 _HOLDER = """

@@ -591,3 +591,34 @@ def test_a_flipped_bit_is_never_replayed(
         back = [(k, bytes(p)) for k, p in replay]
         assert back == records[: len(back)]  # a prefix: the damaged record was the last
         assert len(back) == len(records) - 1
+
+
+def test_a_snapshot_is_due_after_its_records_or_their_replay_time(tmp_path: Path) -> None:
+    """A restart replays what the requests since the last snapshot cost to handle: a snapshot is
+    due after ``snapshot_records`` records, or once their handling took ``REPLAY_SECONDS`` — but
+    not more often than ten times the time a snapshot holds the loop."""
+    from tqstream.controller.durable import REPLAY_SECONDS, Durable
+
+    async def run() -> None:
+        d = Durable(str(tmp_path), "batched", 0.005, snapshot_records=3)
+        for _ in range(2):
+            d.event(1, "x")
+        assert not d.due()
+        d.event(1, "x")
+        assert d.due()  # the third record
+        assert await d.snapshot({"state": None})
+        assert not d.due() and d.pause > 0.0
+        d.event(1, "x")
+        d.worked(REPLAY_SECONDS / 2)
+        assert not d.due()
+        d.worked(REPLAY_SECONDS / 2)
+        assert d.due()  # handled for REPLAY_SECONDS: a replay would take as long
+        assert await d.snapshot({"state": None})
+        d.pause = REPLAY_SECONDS / 4  # a large state: a snapshot costs a quarter of the budget
+        d.worked(REPLAY_SECONDS)
+        assert not d.due()
+        d.worked(1.5 * REPLAY_SECONDS)
+        assert d.due()  # ten pauses' worth
+        d.journal.close()
+
+    asyncio.run(run())

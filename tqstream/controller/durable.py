@@ -13,12 +13,15 @@ its clients were told about. Parked requests come back parked, under a :class:`S
 their answer until their client asks again; leases keep their deadlines (the clock is the wall
 clock, so a deadline means the same in every process of a controller).
 
-A snapshot (the whole state, pickled, with every handle of a request as a reference to its
-session and ``rid``) stands for every record before it: one is written every
-``snapshot_records`` records and after a checkpoint is loaded, so a restart replays at most that
-many. It is the one place tqstream uses pickle: a file the controller wrote in its own journal
-directory, never anything from the wire, and read back by an unpickler that builds only
-tqstream's own classes and plain containers (anything else is refused as a damaged snapshot).
+A snapshot (the whole state, pickled, with every handle of a request as a reference to its session
+and ``rid``) stands for every record before it: one is written every ``snapshot_records`` records
+and after a checkpoint is loaded, so a restart replays at most that many; and sooner once the
+requests since the last one took ``REPLAY_SECONDS`` to handle (a replay costs what handling them
+did) — unless the snapshot itself, which holds the loop while it pickles the state, would then take
+more than a tenth of the controller's time. It is the one place tqstream uses pickle: a file the
+controller wrote in its own journal directory, never anything from the wire, and read back by an
+unpickler that builds only tqstream's own classes and plain containers (anything else is refused as
+a damaged snapshot).
 
 Answers. Every request a client sends carries an ``rid`` unique in its process, and every client
 names its session in its connections' routing ids, so ``(session, rid)`` names a request across
@@ -39,6 +42,7 @@ import io
 import os
 import pickle
 import secrets
+import time
 from typing import Any
 
 import msgspec
@@ -54,7 +58,9 @@ from tqstream.protocol.messages import (
     RegisterUnit,
     SaveCheckpoint,
     UnitStopping,
+    decode_reply,
     decode_request,
+    encode,
 )
 from tqstream.protocol.server import Responder
 from tqstream.protocol.transport import error_reply
@@ -160,7 +166,8 @@ class Tracked:
 
 class Answers:
     """The answers of the latest journaled requests, by ``(session, rid)``: a finished one's
-    reply, or the handle of one still being handled."""
+    reply, encoded (compact, and a snapshot copies its bytes instead of pickling ~65,536 structs:
+    a 1.3 s pause when full), or the handle of one still being handled."""
 
     def __init__(self, limit: int = ANSWERS) -> None:
         self.limit = limit
@@ -198,7 +205,7 @@ class Answers:
     def promise(self, key: Any, msg: Any) -> None:
         """``msg`` is the reply of the request ``key`` once its orders are carried out."""
         if key in self.table:
-            self.promised[key] = msg
+            self.promised[key] = encode(msg)
 
     def seen(self, key: Any, responder: Any) -> bool:
         """Whether the request ``key`` was handled already (or is being handled): then it is
@@ -210,8 +217,8 @@ class Answers:
             entry.bind(responder)
         elif isinstance(entry, Tracked):
             pass  # still being handled: its answer goes to the same session and rid
-        else:
-            responder.reply(entry)
+        else:  # a struct in a snapshot written before replies were kept encoded
+            responder.reply(decode_reply(entry) if isinstance(entry, bytes) else entry)
         return True
 
     def start(self, key: Any, handle: Any) -> None:
@@ -222,7 +229,7 @@ class Answers:
     def done(self, key: Any, msg: Any) -> None:
         self.promised.pop(key, None)
         if key in self.table:
-            self.table[key] = msg
+            self.table[key] = encode(msg)
 
     def forget(self, key: Any) -> None:
         """The request failed before it changed anything: a retry runs it again."""
@@ -305,6 +312,10 @@ class _Unpickler(pickle.Unpickler):
         return self._stub(peer, rid, op)
 
 
+REPLAY_SECONDS = 1.0
+"""Handling time of the journaled requests after which a snapshot is due (see above)."""
+
+
 class Durable:
     """The journal of one controller service, and its answers table."""
 
@@ -327,6 +338,8 @@ class Durable:
         self.peers: set[Any] = set()
         self.replaying = False
         self._since_snapshot = 0
+        self._work = 0.0  # seconds spent handling the requests since the last snapshot
+        self.pause = 0.0  # what the last snapshot held the loop for (its pickling)
         self._enc = msgspec.msgpack.Encoder()
 
     @property
@@ -348,18 +361,29 @@ class Durable:
         self.journal.append(kind, self._enc.encode(record))
         self._since_snapshot += 1
 
+    def worked(self, seconds: float) -> None:
+        """A journaled request took ``seconds`` to handle: a restart would take about as long."""
+        self._work += seconds
+
     def due(self) -> bool:
-        """Whether a snapshot is due (and none is being written)."""
-        return self._since_snapshot >= self.snapshot_records and not self.journal.rebasing
+        """Whether a snapshot is due (and none is being written): ``snapshot_records`` records
+        since the last, or ``REPLAY_SECONDS`` of their handling (at least 10 snapshot pauses)."""
+        if self.journal.rebasing:
+            return False
+        return self._since_snapshot >= self.snapshot_records or self._work >= max(
+            REPLAY_SECONDS, 10.0 * self.pause
+        )
 
     def snapshot(self, payload: dict[str, Any]) -> Any:
         """Start writing a snapshot of ``payload`` (the state and what goes with it): the task
         of its rebase (True once it landed)."""
+        started = time.perf_counter()
         buf = io.BytesIO()
         pickler = _pickler(buf)
         pickler.dump({"format": SNAPSHOT_FORMAT, "cluster": self.cluster, **payload,
                       "answers": self.answers, "peers": self.peers})  # fmt: skip
-        self._since_snapshot = 0
+        self._since_snapshot, self._work = 0, 0.0
+        self.pause = time.perf_counter() - started
         return self.journal.rebase(buf.getvalue())
 
     # --- replaying ---

@@ -225,20 +225,22 @@ class ControllerService:
         d.request(now, responder.peer, msg.rid, frames[0].buffer)
         tracked = Tracked(responder, d.answers)
         d.answers.start(key, tracked)
+        started = time.perf_counter()
         try:
             result = self._handle(msg, tracked, now)
         except BaseException:
             d.answers.forget(key)  # it changed nothing: sent again, it runs again
             raise
         finally:
-            if d.due():
-                self._snapshot()
+            d.worked(time.perf_counter() - started)
         if isinstance(result, Later):
             d.answers.promise(key, result.reply)
         if inspect.isawaitable(result):
-            return self._kept(key, result)
-        if result is not None:
+            result = self._kept(key, result)
+        elif result is not None:
             d.answers.done(key, result[0] if isinstance(result, tuple) else result)
+        if d.due():  # after the answer is kept: a snapshot must not forget it
+            self._snapshot()
         return result
 
     async def _kept(self, key: Any, work: Any) -> Any:
