@@ -38,6 +38,9 @@ GROUPS = (
     "areal-staleness",
     "verl-dataproto",
     "jax-get",
+    "durability-small",
+    "durability-large",
+    "recovery",
     "sweep",
 )
 # the verl-kv scenario's systems (benchmarks/test_verl_kv.py) are its own: tqstream's first;
@@ -119,7 +122,7 @@ class Table:
     @property
     def title(self) -> str:
         mb = max((r.nbytes for r in self.rows), default=0) / 1e6
-        return f"{self.group} — {self.case}, {mb:.3g} MB per round"
+        return f"{self.group} — {self.case}" + (f", {mb:.3g} MB per round" if mb else "")
 
     def ratios(self) -> list[str]:
         """The tqstream systems in the table: one ratio column each."""
@@ -173,9 +176,26 @@ def _producer_cells(table: Table) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
+def _recovery_cells(table: Table) -> tuple[list[str], list[list[str]]]:
+    """A killed controller's time back to serving, by snapshot interval."""
+    head = ["system", "snapshot every", "kill → first answer (median)", "journal bytes / row"]
+    body = [
+        [
+            r.system,
+            f"{int(r.extra['snapshot_records']):,} records",
+            _time(r.median),
+            f"{float(r.extra['journal_bytes_per_row']):.3g}",
+        ]
+        for r in sorted(table.rows, key=lambda r: int(r.extra["snapshot_records"]))
+    ]
+    return head, body
+
+
 def _cells(table: Table) -> tuple[list[str], list[list[str]]]:
     if "put_p50_s" in table.rows[0].extra:
         return _producer_cells(table)
+    if "journal_bytes_per_row" in table.rows[0].extra:
+        return _recovery_cells(table)
     tq = table.ratios()
     medians = {r.system: r.median for r in table.rows}
     extra = "first_get_s" in table.rows[0].extra

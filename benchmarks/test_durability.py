@@ -66,9 +66,11 @@ def test_recovery(benchmark: Any, records: int) -> None:
                 stats = client.stats("held")  # answered by the new process
                 assert stats.partitions["held"].rows == held
 
-            benchmark.pedantic(kill_and_wait, rounds=3, iterations=1)
             benchmark.group = "recovery"
+            benchmark.pedantic(kill_and_wait, rounds=3, iterations=1)
             benchmark.extra_info.update(
+                system="tqstream-launch-batched",
+                case=f"{held:,} rows held, puts of {PER_PUT}, one task",
                 rows=held,
                 snapshot_records=records,
                 journal_bytes=journal_bytes,
