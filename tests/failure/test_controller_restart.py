@@ -107,43 +107,89 @@ def test_a_get_waiting_while_the_controller_is_down_is_answered_after_the_restar
         assert c.stats("p").partitions["p"].tasks["t"].consumed == 4
 
 
-def test_puts_keep_going_through_restarts(durable: ProcessCluster) -> None:
-    """A producer puts without pause while the controller is killed twice: every put that
-    returned is read exactly once."""
-    stop = threading.Event()
-    put: list[int] = []
-    errors: list[BaseException] = []
+class _Producer:
+    """A thread putting 4 rows at a time, without pause, until ``stop()``: ``put`` holds the
+    rows of every put that returned, ``errors`` what failed."""
 
-    def produce() -> None:
-        with tqstream.connect(durable.address, FAST) as p:
+    def __init__(self, address: str) -> None:
+        self.put: list[int] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address,), daemon=True)
+        self._thread.start()
+
+    def _run(self, address: str) -> None:
+        with tqstream.connect(address, FAST) as p:
             i = 0
-            while not stop.is_set():
+            while not self._stop.is_set():
                 try:
                     p.put(_rows(4 * i), "p")
                 except BaseException as exc:
-                    errors.append(exc)
+                    self.errors.append(exc)
                     return
-                put.extend(range(4 * i, 4 * i + 4))
+                self.put.extend(range(4 * i, 4 * i + 4))
                 i += 1
 
+    def stop(self) -> list[int]:
+        self._stop.set()
+        self._thread.join(30)
+        assert not self.errors, self.errors
+        return self.put
+
+
+def _read_all(c: tqstream.Client, n: int) -> list[float]:
+    seen: list[float] = []
+    while len(seen) < n:
+        batch = c.get("p", "x", min(64, n - len(seen)), "t", timeout=5)
+        seen += batch.data["x"][:, 0].tolist()
+        batch.ack()
+    return seen
+
+
+def test_puts_keep_going_through_restarts(durable: ProcessCluster) -> None:
+    """A producer puts without pause while the controller is killed twice: every put that
+    returned is read exactly once."""
     with tqstream.connect(durable.address, FAST) as c:
         c.create_partition("p", ["x"])
-        producer = threading.Thread(target=produce, daemon=True)
-        producer.start()
+        producer = _Producer(durable.address)
         for _ in range(2):
             time.sleep(0.7)
             _restart(durable)
         time.sleep(0.5)
-        stop.set()
-        producer.join(30)
-        assert not errors, errors
-        seen: list[float] = []
-        while len(seen) < len(put):
-            batch = c.get("p", "x", min(64, len(put) - len(seen)), "t", timeout=5)
-            seen += batch.data["x"][:, 0].tolist()
-            batch.ack()
+        put = producer.stop()
+        seen = _read_all(c, len(put))
         assert sorted(seen) == [float(x) for x in sorted(put)]  # none twice, none missing
         assert c.stats("p").partitions["p"].rows == len(put)
+
+
+def test_paired_puts_cut_by_kills_leave_each_row_twice_or_not_at_all(tmp_path: Path) -> None:
+    """With two copies a small put goes to both units in one exchange each (a paired put), the
+    controller committing it once both stored their copy. Killed again and again in the middle
+    of them: every put that returned is read exactly once; each unit holds exactly those rows
+    (a put cut in half is rolled back on both); a unit killed afterwards loses none of them."""
+    journal = str(tmp_path / "journal")
+    with (
+        ProcessCluster(2, durability="batched", journal=journal, replicas=2) as cluster,
+        tqstream.connect(cluster.address, FAST) as c,
+    ):
+        c.create_partition("p", ["x"], tasks=["t"])
+        producer = _Producer(cluster.address)
+        for _ in range(3):
+            time.sleep(0.7)
+            _restart(cluster)
+        time.sleep(0.5)
+        put = producer.stop()
+        assert len(put) > 40
+        deadline = time.monotonic() + 15  # a put rolled back frees its copy in the background
+        while [u.rows for u in c.stats().units] != [len(put)] * 2:
+            assert time.monotonic() < deadline, (c.stats().units, len(put))
+            time.sleep(0.2)
+        cluster.procs[1].kill()  # storage unit 0
+        cluster.procs[1].wait()
+        seen = _read_all(c, len(put))
+        assert sorted(seen) == [float(x) for x in sorted(put)]
+        stats = c.stats("p").partitions["p"]
+        assert (stats.produced, stats.lost) == (len(put), 0)
 
 
 def test_a_unit_that_dies_while_the_controller_is_down_is_counted_lost(
