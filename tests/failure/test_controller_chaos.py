@@ -30,10 +30,15 @@ LEASE = 10.0
 # at lease_timeout)
 
 
-def _start(args: list[str]) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
-    return proc
+def _start(jobs: list[list[str]]) -> list[subprocess.Popen[str]]:
+    """The client processes of ``jobs``, started together; once each has said READY."""
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), *a], stdout=subprocess.PIPE, text=True)
+        for a in jobs
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    return procs
 
 
 def _result(proc: subprocess.Popen[str], limit: float) -> dict[str, list]:
@@ -54,8 +59,8 @@ def _chaos(address: str, kill: Callable[[], None], stop: str, seed: int) -> None
     rng = random.Random(seed)
     with tqstream.connect(address) as c:
         c.create_partition("p", ["id", "tokens"], tasks=list(TASKS))
-    consumers = [_start([address, "consume", TASKS[i % 2], stop]) for i in range(8)]
-    producers = [_start([address, "produce", str(i + 1), stop]) for i in range(8)]
+    consumers = _start([[address, "consume", TASKS[i % 2], stop] for i in range(8)])
+    producers = _start([[address, "produce", str(i + 1), stop] for i in range(8)])
     kills = 0
     end = time.monotonic() + SECONDS
     while time.monotonic() < end:
