@@ -137,6 +137,17 @@ class _Producer:
         return self.put
 
 
+def _put_through_restarts(cluster: ProcessCluster, kills: int) -> list[int]:
+    """The rows of every put a producer got an answer for while the controller was killed
+    ``kills`` times, 0.7 s apart."""
+    producer = _Producer(cluster.address)
+    for _ in range(kills):
+        time.sleep(0.7)
+        _restart(cluster)
+    time.sleep(0.5)
+    return producer.stop()
+
+
 def _read_all(c: tqstream.Client, n: int) -> list[float]:
     seen: list[float] = []
     while len(seen) < n:
@@ -151,12 +162,7 @@ def test_puts_keep_going_through_restarts(durable: ProcessCluster) -> None:
     returned is read exactly once."""
     with tqstream.connect(durable.address, FAST) as c:
         c.create_partition("p", ["x"])
-        producer = _Producer(durable.address)
-        for _ in range(2):
-            time.sleep(0.7)
-            _restart(durable)
-        time.sleep(0.5)
-        put = producer.stop()
+        put = _put_through_restarts(durable, 2)
         seen = _read_all(c, len(put))
         assert sorted(seen) == [float(x) for x in sorted(put)]  # none twice, none missing
         assert c.stats("p").partitions["p"].rows == len(put)
@@ -173,12 +179,7 @@ def test_paired_puts_cut_by_kills_leave_each_row_twice_or_not_at_all(tmp_path: P
         tqstream.connect(cluster.address, FAST) as c,
     ):
         c.create_partition("p", ["x"], tasks=["t"])
-        producer = _Producer(cluster.address)
-        for _ in range(3):
-            time.sleep(0.7)
-            _restart(cluster)
-        time.sleep(0.5)
-        put = producer.stop()
+        put = _put_through_restarts(cluster, 3)
         assert len(put) > 40
         deadline = time.monotonic() + 15  # a put rolled back frees its copy in the background
         while [u.rows for u in c.stats().units] != [len(put)] * 2:

@@ -217,7 +217,7 @@ class Answers:
             entry.bind(responder)
         elif isinstance(entry, Tracked):
             pass  # still being handled: its answer goes to the same session and rid
-        else:  # a struct in a snapshot written before replies were kept encoded
+        else:  # the reply, encoded (a struct in a snapshot written before they were)
             responder.reply(decode_reply(entry) if isinstance(entry, bytes) else entry)
         return True
 
